@@ -1,0 +1,235 @@
+"""policy × layout × topology → :class:`~kvpolicy.plan.Plan`.
+
+Every layer spec gets a factor from the first rule that matches it; a group's factor is the gcd of
+its layers' factors (the largest replica set over which every layer is identical). From the factor
+follow the shard each rank holds, the chunks it writes and the namespaces a lookup must find. The
+engine refuses a plan it cannot prove consistent: a factor that is not a divisor of tp_size, a
+replica set under decode-context parallelism, an expression that fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+
+from kvpolicy.diagnostics import PlanError
+from kvpolicy.expressions import ExpressionError, Value
+from kvpolicy.keys import KeyContext, fingerprint
+from kvpolicy.matcher import judge, spec_variables
+from kvpolicy.models import Group, LayerSpecs, Layout, Policy, Replication, Rule, Schedule, Topology
+from kvpolicy.plan import GroupPlan, LayerDecision, Plan, RankAssignment, WriteSchedule
+
+
+def plan(
+    policy: Policy,
+    layout: Layout,
+    topology: Topology,
+    *,
+    key_context: KeyContext | None = None,
+    demoted: Iterable[int] = (),
+) -> Plan:
+    """Plan every group of ``layout``; ``demoted`` groups are forced to factor 1 (audit fallback)."""
+    context = key_context or KeyContext.for_model(layout.model)
+    demoted = frozenset(demoted)
+    variables: dict[str, Value] = {
+        "tp_size": topology.tp_size,
+        "pp_size": topology.pp_size,
+        "pcp_size": topology.pcp_size,
+        "dcp_size": topology.dcp_size,
+        "total_num_kv_heads": layout.total_num_kv_heads,
+    }
+    decided = [
+        _decide_group(policy, group, index, variables, topology, demoted=index in demoted)
+        for index, group in enumerate(layout.groups)
+    ]
+    digest = fingerprint(
+        {
+            "template": policy.key.template,
+            "schedule": policy.schedule.value,
+            "topology": {"pp": topology.pp_size, "pcp": topology.pcp_size, "dcp": topology.dcp_size},
+            "groups": [
+                {"factor": factor, "shards": topology.tp_size // factor, "specs": _signature(group, variables)}
+                for group, (_, factor, _) in zip(layout.groups, decided, strict=True)
+            ],
+        }
+    )
+    skeleton = Plan(
+        policy=policy.name,
+        model=layout.model,
+        topology=topology,
+        schedule=policy.schedule,
+        audit_mode=policy.audit.mode,
+        audit_steps=policy.audit.steps,
+        key_template=policy.key.template,
+        key_context=context,
+        fingerprint=digest,
+        groups=(),
+    )
+    groups = tuple(
+        _group_plan(skeleton, index, group, decisions, factor, per_rank_bytes, demoted=index in demoted)
+        for index, (group, (decisions, factor, per_rank_bytes)) in enumerate(zip(layout.groups, decided, strict=True))
+    )
+    return dataclasses.replace(skeleton, groups=groups)
+
+
+def _decide_group(
+    policy: Policy,
+    group: Group,
+    index: int,
+    variables: Mapping[str, Value],
+    topology: Topology,
+    *,
+    demoted: bool,
+) -> tuple[tuple[LayerDecision, ...], int, float]:
+    label = f"group {index}" + (f" ({group.name})" if group.name else "")
+    decisions: list[LayerDecision] = []
+    per_rank_bytes = 0.0
+    layer_sensitive = any(rule.match.layers is not None for rule in policy.rules)
+    for member in group.members:
+        try:
+            member_variables = spec_variables(member.spec, variables)
+        except ExpressionError as error:
+            raise PlanError(f"{label}: page_size_bytes of {member.spec.type}: {error.message}") from None
+        page_size = member_variables["page_size_bytes"]
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 0:
+            raise PlanError(f"{label}: page_size_bytes of {member.spec.type} is {page_size!r}, not a byte count")
+        per_rank_bytes += page_size * len(member.layers) / member.spec.block_size
+        if layer_sensitive:
+            decisions.extend(_decide_layer(policy, member, layer, member_variables, topology, label) for layer in member.layers)
+        else:
+            first = _decide_layer(policy, member, member.layers[0], member_variables, topology, label)
+            decisions.extend(
+                LayerDecision(layer, first.spec_type, first.rule, first.origin, first.factor, first.passed_over)
+                for layer in member.layers
+            )
+    factor = math.gcd(*(decision.factor for decision in decisions))
+    if topology.dcp_size > 1 and factor > 1 and not demoted:
+        culprit = next(decision for decision in decisions if decision.factor > 1)
+        raise PlanError(
+            f"{label}: rule '{culprit.rule}' ({culprit.origin}) gives factor {factor} with dcp_size "
+            f"{topology.dcp_size}; under decode-context parallelism consecutive TP ranks hold different "
+            "tokens, so no replica set exists — add a rule 'when: dcp_size > 1' giving 'sharded'"
+        )
+    return tuple(decisions), 1 if demoted else factor, per_rank_bytes
+
+
+def _decide_layer(
+    policy: Policy,
+    member: LayerSpecs,
+    layer: str,
+    variables: Mapping[str, Value],
+    topology: Topology,
+    label: str,
+) -> LayerDecision:
+    spec = member.spec
+    passed_over: list[tuple[str, str]] = []
+    for rule_index, rule in enumerate(policy.rules):
+        origin = policy.rule_origin(rule_index)
+        try:
+            verdict = judge(rule, spec, layer, variables)
+        except ExpressionError as error:
+            raise PlanError(f"{label}, layer {layer}: rule '{rule.name}' ({origin}): {error.message}") from None
+        if not verdict.matched:
+            passed_over.append((rule.name, verdict.reason))
+            continue
+        factor = _rule_factor(rule, variables, topology, f"{label}, layer {layer}: rule '{rule.name}' ({origin})")
+        return LayerDecision(layer, spec.type, rule.name, origin, factor, tuple(passed_over))
+    if policy.strict:
+        raise PlanError(
+            f"{label}, layer {layer}: no rule matches {spec.type} and the policy is strict; "
+            f"add a rule for {spec.type} (or one of {', '.join(spec.bases) or 'its bases'})"
+        )
+    factor = topology.tp_size if policy.unmatched is Replication.REPLICATED else 1
+    return LayerDecision(layer, spec.type, None, f"unmatched: {policy.unmatched.value}", factor, tuple(passed_over))
+
+
+def _rule_factor(rule: Rule, variables: Mapping[str, Value], topology: Topology, where: str) -> int:
+    tp_size = topology.tp_size
+    if rule.replication is not None:
+        return tp_size if rule.replication is Replication.REPLICATED else 1
+    expression = rule.factor if rule.factor is not None else rule.shards
+    assert expression is not None
+    quantity = "factor" if rule.factor is not None else "shards"
+    missing = sorted(expression.names - variables.keys())
+    if missing:
+        raise PlanError(f"{where}: {quantity} reads '{missing[0]}', which this spec does not have")
+    try:
+        value = expression.evaluate(variables)
+    except ExpressionError as error:
+        raise PlanError(f"{where}: {quantity}: {error.message}") from None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise PlanError(f"{where}: {quantity} '{expression.source}' gave {value!r}, not an integer")
+    if value < 1 or tp_size % value:
+        raise PlanError(
+            f"{where}: {quantity} '{expression.source}' = {value}, which is not a divisor of tp_size {tp_size}; "
+            "replica sets must tile the TP ranks exactly"
+        )
+    return value if rule.factor is not None else tp_size // value
+
+
+def _group_plan(
+    skeleton: Plan,
+    index: int,
+    group: Group,
+    decisions: tuple[LayerDecision, ...],
+    factor: int,
+    per_rank_bytes: float,
+    *,
+    demoted: bool,
+) -> GroupPlan:
+    topology = skeleton.topology
+    tp_size = topology.tp_size
+    shards = tp_size // factor
+    ranks = tuple(
+        RankAssignment(
+            tp_rank=rank,
+            shard=rank // factor,
+            replica_set=tuple(range(rank - rank % factor, rank - rank % factor + factor)),
+            schedule=_schedule(skeleton.schedule, rank, index, factor),
+        )
+        for rank in range(tp_size)
+    )
+    lookup = tuple(
+        skeleton._prefix(index, shard, shard * factor, pcp_rank, pp_rank)
+        for pcp_rank in range(topology.pcp_size)
+        for shard in range(shards)
+        for pp_rank in range(topology.pp_size)
+    )
+    copies = factor if skeleton.schedule is Schedule.ALL else 1
+    return GroupPlan(
+        index=index,
+        name=group.name or f"group-{index}",
+        spec_types=tuple(dict.fromkeys(member.spec.type for member in group.members)),
+        uniform=group.is_uniform,
+        decisions=decisions,
+        factor=factor,
+        shards=shards,
+        ranks=ranks,
+        lookup_namespaces=lookup,
+        bytes_per_token_per_rank=per_rank_bytes,
+        written_bytes_per_token=shards * copies * per_rank_bytes,
+        undeduplicated_bytes_per_token=tp_size * per_rank_bytes,
+        demoted=demoted,
+    )
+
+
+def _schedule(kind: Schedule, tp_rank: int, group: int, factor: int) -> WriteSchedule:
+    if kind is Schedule.STRIPED:
+        return WriteSchedule(kind, step=factor, phase=(tp_rank + group) % factor, active=True)
+    if kind is Schedule.LEADER:
+        return WriteSchedule(kind, step=1, phase=0, active=tp_rank % factor == 0)
+    return WriteSchedule(kind, step=1, phase=0, active=True)
+
+
+def _signature(group: Group, variables: Mapping[str, Value]) -> list[dict[str, object]]:
+    return [
+        {
+            "type": member.spec.type,
+            "block_size": member.spec.block_size,
+            "page_size_bytes": member.spec.page_size_bytes.evaluate(variables),
+            "fields": member.spec.fields,
+            "layers": len(member.layers),
+        }
+        for member in group.members
+    ]

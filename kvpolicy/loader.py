@@ -1,0 +1,360 @@
+"""Load policy and layout files into models, reporting every problem with its line and column.
+
+``check_text`` never raises on bad input: it returns the document (or None) and every diagnostic.
+``load_policy`` / ``load_layout`` raise :class:`DocumentError` carrying all of them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path as FilePath
+from typing import Any, Union
+
+from pydantic import BaseModel, ValidationError
+
+from kvpolicy import catalog
+from kvpolicy.diagnostics import Diagnostic, DocumentError
+from kvpolicy.expressions import Expression, ExpressionError
+from kvpolicy.models import SPEC_VARIABLES, TOPOLOGY_VARIABLES, Layout, Policy
+from kvpolicy.yamlsource import Path, SourceMap, parse
+
+Document = Policy | Layout
+KINDS: dict[str, type[Policy] | type[Layout]] = {"ReplicationPolicy": Policy, "ModelLayout": Layout}
+
+
+# --- finding files -----------------------------------------------------------------------------
+
+
+def _bundled_dir(name: str) -> FilePath:
+    """A data directory shipped inside the wheel, or the repository's own when running from a checkout.
+
+    The wheel carries ``policies/``, ``schemas/`` and ``examples/layouts/`` inside the package
+    (``kvpolicy/examples_layouts``); an editable install or a checkout reads them in place.
+    """
+    packaged = FilePath(str(resources.files("kvpolicy"))) / name
+    if packaged.is_dir():
+        return packaged
+    return FilePath(__file__).resolve().parent.parent / name.replace("_", "/")
+
+
+def policies_dir() -> FilePath:
+    return _bundled_dir("policies")
+
+
+def layouts_dir() -> FilePath:
+    return _bundled_dir("examples_layouts")
+
+
+def shipped_policy_names() -> tuple[str, ...]:
+    return tuple(sorted(path.stem for path in policies_dir().glob("*.yaml")))
+
+
+def resolve_policy_path(name_or_path: str) -> FilePath:
+    """A shipped policy's name (``default``) or a path to a policy file."""
+    path = FilePath(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists() or "/" in name_or_path:
+        return path
+    shipped = policies_dir() / f"{name_or_path}.yaml"
+    if shipped.is_file():
+        return shipped
+    names = shipped_policy_names()
+    close = difflib.get_close_matches(name_or_path, names, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise DocumentError(
+        [
+            Diagnostic(
+                name_or_path, 1, 1, "error",
+                f"no policy file or shipped policy named '{name_or_path}'{hint} (shipped: {', '.join(names)})",
+            )
+        ]
+    )
+
+
+def resolve_layout_path(name_or_path: str) -> FilePath:
+    path = FilePath(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists() or "/" in name_or_path:
+        return path
+    return layouts_dir() / f"{name_or_path}.yaml"
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+
+def check_file(path: str | FilePath) -> tuple[Document | None, list[Diagnostic]]:
+    try:
+        text = FilePath(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        return None, [Diagnostic(str(path), 1, 1, "error", f"cannot read file: {reason}")]
+    return check_text(text, str(path))
+
+
+def check_text(text: str, path: str = "<string>") -> tuple[Document | None, list[Diagnostic]]:
+    """Parse and validate one document; never raises on bad input."""
+    data, source, problems = parse(text, path)
+    if data is None and problems:
+        return None, problems
+    if not isinstance(data, dict):
+        return None, [*problems, source.diagnostic((), "expected a mapping with 'version' and 'kind' at the top level")]
+    model = _model_for(data, source, problems)
+    if model is None:
+        return None, problems
+    try:
+        document = model.model_validate(data)
+    except ValidationError as error:
+        problems.extend(_validation_diagnostics(error, model, source))
+        problems.extend(_warnings_for_raw(data, model, source))
+        return None, sorted(problems)
+    document_problems = list(_semantic_checks(document, source))
+    problems.extend(document_problems)
+    problems.sort()
+    if any(problem.severity == "error" for problem in problems):
+        return None, problems
+    if isinstance(document, Policy):
+        document = document.with_origins(
+            tuple(f"{path}:{source.locate(('rules', index)).line}" for index in range(len(document.rules)))
+        )
+    return document, problems
+
+
+def load(path: str | FilePath) -> Document:
+    document, problems = check_file(path)
+    if document is None:
+        raise DocumentError(problems)
+    return document
+
+
+def load_policy(name_or_path: str | FilePath) -> Policy:
+    """Load a policy by shipped name or path; raise :class:`DocumentError` with every problem."""
+    path = resolve_policy_path(str(name_or_path))
+    document = load(path)
+    if not isinstance(document, Policy):
+        raise DocumentError([Diagnostic(str(path), 1, 1, "error", "expected a ReplicationPolicy, found a ModelLayout")])
+    return document
+
+
+def load_layout(name_or_path: str | FilePath) -> Layout:
+    path = resolve_layout_path(str(name_or_path))
+    document = load(path)
+    if not isinstance(document, Layout):
+        raise DocumentError([Diagnostic(str(path), 1, 1, "error", "expected a ModelLayout, found a ReplicationPolicy")])
+    return document
+
+
+def _model_for(data: dict[str, Any], source: SourceMap, problems: list[Diagnostic]) -> type[Policy] | type[Layout] | None:
+    kind = data.get("kind")
+    if kind in KINDS:
+        return KINDS[kind]
+    guessed = Policy if "rules" in data else Layout if "groups" in data else None
+    if kind is None:
+        expected = f"kind: {'ReplicationPolicy' if guessed is Policy else 'ModelLayout'}" if guessed else "kind"
+        problems.append(source.diagnostic((), f"missing 'kind'; add '{expected}'"))
+    else:
+        close = difflib.get_close_matches(str(kind), KINDS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; expected one of {', '.join(KINDS)}"
+        problems.append(source.diagnostic(("kind",), f"unknown kind '{kind}'{hint}"))
+    return None
+
+
+# --- turning pydantic errors into located diagnostics -------------------------------------------
+
+
+def _validation_diagnostics(error: ValidationError, model: type[BaseModel], source: SourceMap) -> Iterator[Diagnostic]:
+    seen: set[tuple[Path, str]] = set()
+    for item in error.errors(include_url=False):
+        location = tuple(part for part in item["loc"] if _is_data_key(part))
+        message, prefer_key, offset = _describe(item, location, model)
+        if (location, message) in seen:
+            continue
+        seen.add((location, message))
+        yield source.diagnostic(location, message, prefer_key=prefer_key, offset=offset)
+
+
+def _is_data_key(part: Any) -> bool:
+    # Union branches and validators add loc entries such as 'int' or 'function-after[...]'.
+    return isinstance(part, int) or (isinstance(part, str) and "[" not in part and part not in _TYPE_TAGS)
+
+
+_TYPE_TAGS = {"int", "str", "bool", "none", "list", "tuple", "dict", "float", "constrained-str", "is-instance"}
+
+
+def _describe(item: dict[str, Any], location: Path, model: type[BaseModel]) -> tuple[str, bool, int | None]:
+    kind = item["type"]
+    name = str(location[-1]) if location else "document"
+    if kind == "extra_forbidden":
+        known = _fields_at(model, location[:-1])
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else (f"; allowed: {', '.join(known)}" if known else "")
+        return f"unknown field '{name}'{hint}", True, None
+    if kind == "missing":
+        return f"missing required field '{name}'", False, None
+    message = item["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    offset = None
+    cause = item.get("ctx", {}).get("error")
+    if isinstance(cause, BaseException) and isinstance(cause.__cause__, ExpressionError):
+        offset = cause.__cause__.column
+    if kind == "literal_error" and name in ("version", "kind"):
+        message = f"{name}: {message}"
+    elif location and isinstance(location[-1], str):
+        message = f"{name}: {message[0].lower()}{message[1:]}" if message else name
+    return message, False, offset
+
+
+def _fields_at(model: type[BaseModel], location: Path) -> list[str]:
+    """Field names of the model found at ``location`` (for did-you-mean on unknown fields)."""
+    current: list[type[BaseModel]] = [model]
+    for part in location:
+        if isinstance(part, int):
+            continue
+        following: list[type[BaseModel]] = []
+        for cls in current:
+            field = cls.model_fields.get(part)
+            if field is not None:
+                following.extend(_models_in(field.annotation))
+        if not following:
+            # a dict value (e.g. fields: {...}) keeps no model below it
+            return []
+        current = following
+    return sorted({name for cls in current for name in cls.model_fields})
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType, tuple, list, typing.Annotated) or origin is not None:
+        args = typing.get_args(annotation)
+        if origin is dict:
+            args = args[1:]
+        return [model for arg in args for model in _models_in(arg)]
+    return []
+
+
+def _warnings_for_raw(data: dict[str, Any], model: type[BaseModel], source: SourceMap) -> Iterator[Diagnostic]:
+    """Expression name checks that still make sense when the document as a whole failed validation."""
+    if model is not Policy or not isinstance(data.get("rules"), list):
+        return
+    extra = data.get("spec_fields") if isinstance(data.get("spec_fields"), list) else []
+    known = _known_variables(tuple(str(name) for name in extra))
+    for index, rule in enumerate(data["rules"]):
+        if not isinstance(rule, dict):
+            continue
+        for key in ("when", "factor", "shards"):
+            text = rule.get(key)
+            if not isinstance(text, (str, int)) or isinstance(text, bool):
+                continue
+            try:
+                expression = Expression(str(text))
+            except ExpressionError:
+                continue  # already reported by validation
+            try:
+                expression.check_names(known)
+            except ExpressionError as error:
+                yield source.diagnostic(("rules", index, key), f"{key}: {error.message}", offset=error.column)
+
+
+# --- checks that need the whole document ---------------------------------------------------------
+
+
+def _known_variables(spec_fields: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(TOPOLOGY_VARIABLES) | frozenset(SPEC_VARIABLES) | catalog.SPEC_FIELDS | frozenset(spec_fields)
+
+
+def _semantic_checks(document: Document, source: SourceMap) -> Iterator[Diagnostic]:
+    if isinstance(document, Policy):
+        yield from _policy_checks(document, source)
+    else:
+        yield from _layout_checks(document, source)
+
+
+def _policy_checks(policy: Policy, source: SourceMap) -> Iterator[Diagnostic]:
+    known = _known_variables(policy.spec_fields)
+    field_names = catalog.SPEC_FIELDS | frozenset(SPEC_VARIABLES) | frozenset(policy.spec_fields)
+    for index, rule in enumerate(policy.rules):
+        for key in ("when", "factor", "shards"):
+            expression: Expression | None = getattr(rule, key)
+            if expression is None:
+                continue
+            try:
+                expression.check_names(known)
+            except ExpressionError as error:
+                yield source.diagnostic(("rules", index, key), f"{key}: {error.message}", offset=error.column)
+        for class_name in rule.match.spec or ():
+            if class_name not in catalog.SPEC_CLASSES:
+                close = difflib.get_close_matches(class_name, catalog.SPEC_CLASSES, n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else " (fine for a plugin's spec class)"
+                yield source.diagnostic(
+                    ("rules", index, "match", "spec"),
+                    f"'{class_name}' is not a spec class of vLLM 0.32{hint}",
+                    severity="warning",
+                )
+        for field_name in rule.match.fields:
+            if field_name not in field_names:
+                close = difflib.get_close_matches(field_name, field_names, n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else "; declare it in 'spec_fields' if a plugin adds it"
+                yield source.diagnostic(
+                    ("rules", index, "match", "fields", field_name),
+                    f"'{field_name}' is not a field of any known spec class{hint}",
+                    severity="warning",
+                    prefer_key=True,
+                )
+        shadow = _shadowing_rule(policy, index)
+        if shadow is not None:
+            yield source.diagnostic(
+                ("rules", index),
+                f"rule '{rule.name}' is unreachable: rule '{policy.rules[shadow].name}' "
+                f"(line {source.locate(('rules', shadow)).line}) matches everything it matches; "
+                "move it up or remove it",
+                severity="warning",
+            )
+
+
+def _shadowing_rule(policy: Policy, index: int) -> int | None:
+    later = policy.rules[index].match
+    for earlier_index, earlier_rule in enumerate(policy.rules[:index]):
+        earlier = earlier_rule.match
+        if earlier_rule.when is not None or earlier.layers is not None:
+            continue
+        if any(later.fields.get(name, _MISSING) != value for name, value in earlier.fields.items()):
+            continue
+        if earlier.spec is None:
+            return earlier_index
+        if later.spec is not None and all(
+            any(catalog.is_subclass(name, ancestor) for ancestor in earlier.spec) for name in later.spec
+        ):
+            return earlier_index
+    return None
+
+
+_MISSING = object()
+
+
+def _layout_checks(layout: Layout, source: SourceMap) -> Iterator[Diagnostic]:
+    first_seen: dict[str, int] = {}
+    topology = frozenset(TOPOLOGY_VARIABLES)
+    for group_index, group in enumerate(layout.groups):
+        for member_index, member in enumerate(group.members):
+            base: Path = ("groups", group_index) if group.uniform is None else ("groups", group_index, "uniform", member_index)
+            spec = member.spec
+            try:
+                spec.page_size_bytes.check_names(topology)
+            except ExpressionError as error:
+                yield source.diagnostic((*base, "spec", "page_size_bytes"), f"page_size_bytes: {error.message}", offset=error.column)
+            expected = catalog.SPEC_CLASSES.get(spec.type)
+            if expected is not None and tuple(spec.bases) != expected:
+                yield source.diagnostic(
+                    (*base, "spec", "bases"),
+                    f"{spec.type}'s bases in vLLM 0.32 are [{', '.join(expected)}]; rules for a missing base will not match",
+                    severity="warning",
+                )
+            for layer in member.layers:
+                if layer in first_seen:
+                    yield source.diagnostic(
+                        (*base, "layers"),
+                        f"layer '{layer}' is already in group {first_seen[layer]}; a layer belongs to one group",
+                    )
+                first_seen.setdefault(layer, group_index)

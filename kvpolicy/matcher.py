@@ -1,0 +1,62 @@
+"""Which rule applies to a layer spec, and why the rules before it did not."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from kvpolicy.expressions import ExpressionError, Value
+from kvpolicy.models import Rule, Spec
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether one rule matched one layer, and the reason in words."""
+
+    matched: bool
+    reason: str
+
+
+def spec_variables(spec: Spec, topology_variables: Mapping[str, Value]) -> dict[str, Value]:
+    """What expressions may read for ``spec``: the topology, then the spec's own fields."""
+    page_size = spec.page_size_bytes.evaluate(topology_variables)
+    return {
+        **topology_variables,
+        **{name: _as_value(value) for name, value in spec.fields.items()},
+        "block_size": spec.block_size,
+        "page_size_bytes": page_size,
+    }
+
+
+def _as_value(value: object) -> Value:
+    return tuple(value) if isinstance(value, list) else value  # type: ignore[return-value]
+
+
+def judge(rule: Rule, spec: Spec, layer: str, variables: Mapping[str, Value]) -> Verdict:
+    """Match ``rule`` against one layer; raises :class:`ExpressionError` when ``when`` cannot be evaluated."""
+    match = rule.match
+    if match.spec is not None and not set(match.spec) & set(spec.classes):
+        return Verdict(False, f"{spec.type} is not {_either(match.spec)}")
+    for name, expected in match.fields.items():
+        actual = spec.fields.get(name, _MISSING)
+        if actual is _MISSING:
+            return Verdict(False, f"{spec.type} has no field '{name}'")
+        allowed = expected if isinstance(expected, list) else [expected]
+        if actual not in allowed:
+            return Verdict(False, f"{name} is {actual!r}, not {_either([repr(v) for v in allowed])}")
+    if match.layers is not None and not any(fnmatchcase(layer, glob) for glob in match.layers):
+        return Verdict(False, f"layer '{layer}' matches none of {', '.join(match.layers)}")
+    if rule.when is not None:
+        missing = sorted(rule.when.names - variables.keys())
+        if missing:
+            raise ExpressionError(f"'when' reads '{missing[0]}', which {spec.type} does not have")
+        if not rule.when.evaluate(variables):
+            return Verdict(False, f"when: {rule.when.source} is false")
+    return Verdict(True, "matched")
+
+
+def _either(options: list[str] | tuple[str, ...]) -> str:
+    return options[0] if len(options) == 1 else "any of " + ", ".join(options)

@@ -1,0 +1,380 @@
+"""The two versioned documents kvpolicy reads: a replication *policy* and a model *layout*.
+
+Both are frozen Pydantic models that reject unknown fields. Every field carries an attribute
+docstring: ``use_attribute_docstrings`` turns it into the JSON Schema description that editors
+show, so one sentence documents the code, the schema and the YAML.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PrivateAttr,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from kvpolicy.expressions import Expression, ExpressionError
+
+TOPOLOGY_VARIABLES = ("tp_size", "pp_size", "pcp_size", "dcp_size", "total_num_kv_heads")
+"""Variables every expression may read, besides the fields of the spec being matched."""
+
+SPEC_VARIABLES = ("block_size", "page_size_bytes")
+"""Spec attributes every layout states and expressions may read."""
+
+UPSTREAM_KEY_TEMPLATE = (
+    "{cache_prefix}{model}{store_namespace}"
+    "@tp_rank:{shard}@pcp{pcp_rank}@dcp{dcp_rank}@pp_rank:{pp_rank}@group:{group}"
+)
+"""vLLM's Mooncake store key prefix (0.32/0.33); chunk keys append ``@<chunk hash hex>``."""
+
+KEY_TEMPLATE_FIELDS = (
+    "cache_prefix",
+    "model",
+    "store_namespace",
+    "fingerprint",
+    "shard",
+    "pcp_rank",
+    "dcp_rank",
+    "pp_rank",
+    "group",
+)
+REQUIRED_KEY_TEMPLATE_FIELDS = ("model", "shard", "pcp_rank", "dcp_rank", "pp_rank", "group")
+"""Without any of these, two different namespaces would render the same key."""
+
+
+def _parse_expression(value: Any) -> Expression:
+    if isinstance(value, Expression):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected an integer or an expression string, got {type(value).__name__}")
+    try:
+        return Expression(str(value))
+    except ExpressionError as error:
+        raise ValueError(error.message) from error
+
+
+ExpressionText = Annotated[
+    Expression,
+    BeforeValidator(_parse_expression),
+    PlainSerializer(lambda expression: expression.source, return_type=str),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "description": "An integer or an expression over the topology and the spec's fields.",
+        }
+    ),
+]
+"""An integer or an expression such as ``max(1, tp_size // total_num_kv_heads)``."""
+
+ScalarValue = int | bool | str | None
+FieldValue = ScalarValue | list[Any]
+
+_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
+
+
+def _as_tuple(value: Any) -> Any:
+    return (value,) if isinstance(value, str) else value
+
+
+class Document(BaseModel):
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        hide_input_in_errors=True,
+    )
+
+
+class Replication(str, Enum):
+    """How the bytes of a cache spec are spread over the TP ranks."""
+
+    SHARDED = "sharded"
+    """Every TP rank holds distinct bytes: factor 1."""
+    REPLICATED = "replicated"
+    """Every TP rank holds the same bytes: factor tp_size."""
+
+
+class Schedule(str, Enum):
+    """Which ranks of a replica set write a chunk to the store."""
+
+    STRIPED = "striped"
+    """Each chunk is written once per replica set; rank phase (tp_rank + group) % factor (upstream)."""
+    LEADER = "leader"
+    """The lowest rank of each replica set writes every chunk."""
+    ALL = "all"
+    """Every rank writes every chunk; the store keeps the first copy."""
+
+
+class AuditMode(str, Enum):
+    WARN = "warn"
+    """On a digest mismatch the group falls back to factor 1 and rank 0 logs one error."""
+    ENFORCE = "enforce"
+    """On a digest mismatch the connector stops with that error."""
+    OFF = "off"
+    """Trust the policy without checking."""
+
+
+class Match(Document):
+    """Which layer specs a rule applies to. All given conditions must hold; none given matches all."""
+
+    spec: tuple[str, ...] | None = None
+    """Spec class names; a spec matches when its class or any of its base classes is listed."""
+    fields: dict[str, FieldValue] = Field(default_factory=dict)
+    """Spec field values that must be equal; a list means any of its values."""
+    layers: tuple[str, ...] | None = None
+    """Layer-name globs (fnmatch); a layer matches when any glob matches its name."""
+
+    _as_tuples = field_validator("spec", "layers", mode="before")(_as_tuple)
+
+
+class Rule(Document):
+    """One replication rule. Rules are tried in order per layer spec; the first that matches wins."""
+
+    name: str = Field(pattern=_NAME_PATTERN)
+    """Unique kebab-case name, shown in plans and errors."""
+    reason: str = Field(min_length=1)
+    """One line on why this rule is right."""
+    match: Match = Match()
+    """Which specs and layers the rule applies to."""
+    when: ExpressionText | None = None
+    """Boolean expression over the topology and the spec's fields; the rule applies only when true."""
+    replication: Replication | None = None
+    """``sharded`` (factor 1) or ``replicated`` (factor tp_size)."""
+    factor: ExpressionText | None = None
+    """Expression for the replication factor: TP ranks that hold byte-identical bytes."""
+    shards: ExpressionText | None = None
+    """Expression for the number of distinct shards over TP; the factor is tp_size // shards."""
+
+    @model_validator(mode="after")
+    def _one_outcome(self) -> Rule:
+        given = [name for name in ("replication", "factor", "shards") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "a rule needs exactly one of 'replication', 'factor' or 'shards'"
+                + (f", got {' and '.join(given)}" if given else "")
+            )
+        return self
+
+
+class KeyFormat(Document):
+    """How store keys are spelled."""
+
+    template: str = UPSTREAM_KEY_TEMPLATE
+    """Key prefix template; fields: {cache_prefix} (rendered with a trailing '@' when set), {model},
+    {store_namespace}, {fingerprint}, {shard}, {pcp_rank}, {dcp_rank}, {pp_rank}, {group}."""
+
+    @field_validator("template")
+    @classmethod
+    def _known_fields(cls, template: str) -> str:
+        used = re.findall(r"{([^{}]*)}", template)
+        unknown = [name for name in used if name not in KEY_TEMPLATE_FIELDS]
+        if unknown:
+            raise ValueError(
+                f"unknown key template field {{{unknown[0]}}}; known: "
+                + ", ".join(f"{{{name}}}" for name in KEY_TEMPLATE_FIELDS)
+            )
+        missing = [name for name in REQUIRED_KEY_TEMPLATE_FIELDS if name not in used]
+        if missing:
+            raise ValueError(
+                f"key template lacks {{{missing[0]}}}, so distinct namespaces would share keys"
+            )
+        return template
+
+
+class Audit(Document):
+    """Online check that a replicated group really is byte-identical across its replica set."""
+
+    mode: AuditMode = AuditMode.WARN
+    """What a digest mismatch does: ``warn`` (fall back to factor 1), ``enforce`` (stop) or ``off``."""
+    steps: int = Field(default=4, ge=0, le=10_000)
+    """Number of save steps audited after start-up."""
+
+
+class Policy(Document):
+    """A replication policy: ordered rules that turn cache specs and a topology into factors."""
+
+    version: Literal[1]
+    """Document format version."""
+    kind: Literal["ReplicationPolicy"]
+    """Document kind; tells policies and layouts apart."""
+    name: str = Field(pattern=_NAME_PATTERN)
+    """Policy name, shown in plans."""
+    description: str = ""
+    """What the policy is for."""
+    rules: tuple[Rule, ...]
+    """Ordered rules; the first match per layer spec wins."""
+    unmatched: Replication = Replication.SHARDED
+    """Replication of specs no rule matches; ``sharded`` is always safe."""
+    strict: bool = False
+    """Make a spec that no rule matches an error instead of applying ``unmatched``."""
+    combine: Literal["gcd"] = "gcd"
+    """How the factors of a uniform group's layers combine: ``gcd`` is the largest replica set over
+    which every layer is identical."""
+    schedule: Schedule = Schedule.STRIPED
+    """Which ranks of a replica set write each chunk."""
+    key: KeyFormat = KeyFormat()
+    """Store key format."""
+    audit: Audit = Audit()
+    """Online replication audit."""
+    spec_fields: tuple[str, ...] = ()
+    """Extra spec field names that expressions may read (for spec classes from plugins)."""
+
+    _origins: tuple[str, ...] = PrivateAttr(default=())
+
+    @field_validator("rules")
+    @classmethod
+    def _unique_names(cls, rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+        seen: set[str] = set()
+        for rule in rules:
+            if rule.name in seen:
+                raise ValueError(f"rule name '{rule.name}' is used twice; rule names must be unique")
+            seen.add(rule.name)
+        return rules
+
+    def rule_origin(self, index: int) -> str:
+        """``file:line`` of rule ``index`` when loaded from a file, else ``policy <name> rule <n>``."""
+        if index < len(self._origins):
+            return self._origins[index]
+        return f"policy {self.name} rule {index + 1}"
+
+    def with_origins(self, origins: tuple[str, ...]) -> Policy:
+        copy = self.model_copy()
+        copy._origins = origins
+        return copy
+
+
+_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+
+
+def expand_layer_pattern(pattern: str) -> tuple[str, ...]:
+    """Expand ``{a..b}`` ranges (inclusive): ``l.{0..2}.attn`` → ``l.0.attn``, ``l.1.attn``, ``l.2.attn``."""
+    found = _RANGE.search(pattern)
+    if not found:
+        return (pattern,)
+    low, high = int(found.group(1)), int(found.group(2))
+    if high < low or high - low > 100_000:
+        raise ValueError(f"layer range {found.group(0)} is empty or too large")
+    head, tail = pattern[: found.start()], pattern[found.end() :]
+    return tuple(name for index in range(low, high + 1) for name in expand_layer_pattern(f"{head}{index}{tail}"))
+
+
+class Spec(Document):
+    """One KV-cache spec as vLLM reports it for a layer on one TP rank."""
+
+    type: str = Field(min_length=1)
+    """Spec class name, e.g. ``MLAAttentionSpec``."""
+    bases: tuple[str, ...] = ()
+    """Base class names from the class's MRO, most specific first, without ``object``."""
+    block_size: int = Field(ge=1)
+    """Tokens per block."""
+    page_size_bytes: ExpressionText
+    """Bytes one block occupies on one TP rank: an integer or an expression over the topology."""
+    fields: dict[str, FieldValue] = Field(default_factory=dict)
+    """Other dataclass fields of the spec."""
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        """The class and its bases, most specific first."""
+        return (self.type, *self.bases)
+
+
+class LayerSpecs(Document):
+    """Layers that share one spec."""
+
+    spec: Spec
+    """The spec of these layers."""
+    layers: tuple[str, ...] = Field(min_length=1)
+    """Layer names; ``{a..b}`` expands to the integers a through b."""
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _expand(cls, layers: Any) -> Any:
+        layers = _as_tuple(layers)
+        if not isinstance(layers, (list, tuple)) or not all(isinstance(name, str) for name in layers):
+            return layers
+        return tuple(name for pattern in layers for name in expand_layer_pattern(pattern))
+
+
+class Group(Document):
+    """One prefix-cacheable KV-cache group: either one spec for its layers, or ``uniform`` per-layer specs."""
+
+    name: str | None = None
+    """Short name shown in plans."""
+    spec: Spec | None = None
+    """The group's spec, when all its layers share one."""
+    layers: tuple[str, ...] | None = None
+    """Layer names when ``spec`` is given; ``{a..b}`` expands to the integers a through b."""
+    uniform: tuple[LayerSpecs, ...] | None = None
+    """Per-layer specs of a ``UniformTypeKVCacheSpecs`` group."""
+
+    _expand = field_validator("layers", mode="before")(LayerSpecs._expand.__func__)  # type: ignore[attr-defined]
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> Group:
+        if self.uniform is not None:
+            if self.spec is not None or self.layers is not None:
+                raise ValueError("a group has either 'spec' and 'layers', or 'uniform', not both")
+            if not self.uniform:
+                raise ValueError("'uniform' needs at least one entry")
+        elif self.spec is None or not self.layers:
+            raise ValueError("a group needs 'spec' and 'layers', or 'uniform'")
+        return self
+
+    @property
+    def members(self) -> tuple[LayerSpecs, ...]:
+        if self.uniform is not None:
+            return self.uniform
+        assert self.spec is not None and self.layers is not None
+        return (LayerSpecs(spec=self.spec, layers=self.layers),)
+
+    @property
+    def is_uniform(self) -> bool:
+        return self.uniform is not None
+
+
+class Layout(Document):
+    """A model's prefix-cacheable KV-cache groups, as vLLM builds them."""
+
+    version: Literal[1]
+    """Document format version."""
+    kind: Literal["ModelLayout"]
+    """Document kind; tells layouts and policies apart."""
+    model: str = Field(min_length=1)
+    """Model name or path; keys use its last path component."""
+    description: str = ""
+    """What is special about this model's cache."""
+    source: dict[str, Any] = Field(default_factory=dict)
+    """Config fields this layout was derived from, and their values."""
+    total_num_kv_heads: int = Field(ge=1)
+    """Model-wide number of KV heads (vLLM's ``model_config.get_total_num_kv_heads()``)."""
+    groups: tuple[Group, ...] = Field(min_length=1)
+    """Groups in vLLM's order; a group's index is its position here."""
+
+
+class Topology(Document):
+    """The parallel layout of one vLLM instance."""
+
+    tp_size: int = Field(default=1, ge=1, le=4096)
+    """Tensor-parallel size."""
+    pp_size: int = Field(default=1, ge=1, le=4096)
+    """Pipeline-parallel size."""
+    pcp_size: int = Field(default=1, ge=1, le=4096)
+    """Prefill context-parallel size."""
+    dcp_size: int = Field(default=1, ge=1, le=4096)
+    """Decode context-parallel size (a subdivision of TP)."""
+
+    @model_validator(mode="after")
+    def _dcp_divides_tp(self) -> Topology:
+        if self.tp_size % self.dcp_size:
+            raise ValueError(f"dcp_size {self.dcp_size} must divide tp_size {self.tp_size}")
+        return self

@@ -1,0 +1,217 @@
+"""Run a Mooncake master on loopback, for tests, benchmarks and local demos.
+
+``mooncake_master`` binds 0.0.0.0 by default; :class:`MooncakeMaster` always passes the
+loopback flags and keeps the optional servers (HTTP metadata, KV events, HA) switched off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+
+LOOPBACK = "127.0.0.1"
+INSTALL_HINT = "mooncake_master not found; install mooncake-transfer-engine-non-cuda==0.3.13.post1"
+IBVERBS_HINT = "libibverbs1 is missing: apt-get install -y libibverbs1"
+
+_STOP_TIMEOUT_S = 5.0
+_POLL_INTERVAL_S = 0.05
+
+
+class MooncakeUnavailable(RuntimeError):
+    """Mooncake cannot run here: package, binary or system library missing, or the master died."""
+
+
+def require_ibverbs() -> None:
+    """Raise :class:`MooncakeUnavailable` unless ``libibverbs.so.1`` loads.
+
+    Both the master binary and ``mooncake.store`` link it, even for the TCP protocol.
+    """
+    try:
+        ctypes.CDLL("libibverbs.so.1")
+    except OSError as error:
+        raise MooncakeUnavailable(IBVERBS_HINT) from error
+
+
+def find_master_binary(binary: str | os.PathLike[str] | None = None) -> str:
+    """Path of ``mooncake_master``: *binary* if given, else the venv's ``bin/``, else ``PATH``."""
+    if binary is not None:
+        candidates = [os.fspath(binary)]
+    else:
+        candidates = [str(Path(sys.executable).parent / "mooncake_master"), "mooncake_master"]
+    for candidate in candidates:
+        found = shutil.which(candidate)
+        if found is not None:
+            return found
+    raise MooncakeUnavailable(INSTALL_HINT)
+
+
+def free_ports(count: int) -> list[int]:
+    """*count* distinct TCP ports on 127.0.0.1 that were free a moment ago."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        # All bound at once, so the kernel cannot hand out the same port twice.
+        for sock in sockets:
+            sock.bind((LOOPBACK, 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+class MooncakeMaster:
+    """A ``mooncake_master`` process bound to 127.0.0.1 only; a context manager.
+
+    ``start()`` returns once the metrics endpoint answers; ``stop()`` ends this process only.
+    Its stdout and stderr go to :attr:`log_path`, a temporary file removed by ``stop()``.
+    """
+
+    def __init__(
+        self, binary: str | os.PathLike[str] | None = None, *, start_timeout: float = 20.0
+    ) -> None:
+        self._binary = binary
+        self._start_timeout = start_timeout
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log_path: Path | None = None
+        self.rpc_port = 0
+        """Port of the master's RPC service (clients' ``master_server_address``)."""
+        self.metrics_port = 0
+        """Port of the master's HTTP metrics/admin server."""
+
+    @property
+    def rpc_address(self) -> str:
+        """``127.0.0.1:<rpc port>``, what a client passes as ``master_server_address``."""
+        return f"{LOOPBACK}:{self.rpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Prometheus text endpoint of the master."""
+        return f"http://{LOOPBACK}:{self.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> int:
+        """PID of the running master."""
+        return self._running().pid
+
+    @property
+    def log_path(self) -> Path:
+        """File holding the master's stdout and stderr."""
+        if self._log_path is None:
+            raise RuntimeError("the master has not been started")
+        return self._log_path
+
+    def start(self) -> Self:
+        """Launch the master and wait until its metrics endpoint answers."""
+        if self._process is not None:
+            raise RuntimeError("the master is already running")
+        binary = find_master_binary(self._binary)
+        require_ibverbs()
+        self.rpc_port, self.metrics_port = free_ports(2)
+        fd, log_name = tempfile.mkstemp(prefix="mooncake_master-", suffix=".log")
+        self._log_path = Path(log_name)
+        # A file, not a pipe: nobody drains the master's output while it runs.
+        with os.fdopen(fd, "wb") as log:
+            self._process = subprocess.Popen(
+                [
+                    binary,
+                    f"--rpc_address={LOOPBACK}",
+                    f"--rpc_port={self.rpc_port}",
+                    f"--metrics_host={LOOPBACK}",
+                    f"--metrics_port={self.metrics_port}",
+                    # Off by default; pinned so a flagfile or FLAGS_* env cannot open 0.0.0.0.
+                    "--enable_http_metadata_server=false",
+                    f"--http_metadata_server_host={LOOPBACK}",
+                    "--enable_kv_events=false",
+                    "--enable_ha=false",
+                    # glog would otherwise also write files under /tmp.
+                    "--logtostderr=true",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Terminate this master (SIGTERM, then SIGKILL after 5 s) and remove its log."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self._log_path is not None:
+            self._log_path.unlink(missing_ok=True)
+
+    def kill(self) -> None:
+        """SIGKILL the master and reap it, keeping the log; for fault-injection tests."""
+        process = self._running()
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last *lines* lines the master printed."""
+        if self._log_path is None or not self._log_path.exists():
+            return ""
+        with self._log_path.open(errors="replace") as log:
+            return "".join(deque(log, maxlen=lines))
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _running(self) -> subprocess.Popen[bytes]:
+        if self._process is None:
+            raise RuntimeError("the master is not running")
+        return self._process
+
+    def _wait_ready(self) -> None:
+        process = self._running()
+        deadline = time.monotonic() + self._start_timeout
+        while True:
+            if process.poll() is not None:
+                tail = self.log_tail()
+                hint = f"\n{IBVERBS_HINT}" if "libibverbs" in tail else ""
+                raise MooncakeUnavailable(
+                    f"mooncake_master exited with code {process.returncode} during start-up;"
+                    f" last output:\n{tail}{hint}"
+                )
+            try:
+                with urllib.request.urlopen(self.metrics_url, timeout=1.0) as response:
+                    response.read()
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise MooncakeUnavailable(
+                    f"mooncake_master did not answer on {self.metrics_url} within"
+                    f" {self._start_timeout:g} s; last output:\n{self.log_tail()}"
+                )
+            time.sleep(_POLL_INTERVAL_S)

@@ -1,0 +1,122 @@
+"""The engine's output: per group, who holds what, who writes which chunk, and which keys a lookup needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpolicy.keys import KeyContext, render_prefix
+from kvpolicy.models import AuditMode, Schedule, Topology
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    """The rule that set one layer's factor, and why each earlier rule did not apply."""
+
+    layer: str
+    spec_type: str
+    rule: str | None
+    """Matching rule's name; None when no rule matched and the policy's ``unmatched`` applied."""
+    origin: str
+    """``file:line`` of the rule, or ``unmatched``."""
+    factor: int
+    passed_over: tuple[tuple[str, str], ...] = ()
+    """(rule name, reason it did not match) for every earlier rule."""
+
+
+@dataclass(frozen=True)
+class WriteSchedule:
+    """Which absolute chunk indices one rank writes for one group."""
+
+    kind: Schedule
+    step: int
+    phase: int
+    active: bool
+    """False when this rank writes nothing for the group (a non-leader under ``leader``)."""
+
+    def writes(self, chunk_index: int) -> bool:
+        return self.active and chunk_index % self.step == self.phase
+
+
+@dataclass(frozen=True)
+class RankAssignment:
+    """One TP rank's view of a group."""
+
+    tp_rank: int
+    shard: int
+    """Index of the distinct shard this rank holds; the key's ``tp_rank`` field."""
+    replica_set: tuple[int, ...]
+    """TP ranks holding byte-identical bytes for this group, this rank included."""
+    schedule: WriteSchedule
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    index: int
+    """Position among the prefix-cacheable groups; the key's ``group`` field."""
+    name: str
+    spec_types: tuple[str, ...]
+    uniform: bool
+    decisions: tuple[LayerDecision, ...]
+    factor: int
+    """TP ranks that hold byte-identical bytes for this group."""
+    shards: int
+    """Distinct shards over TP: tp_size // factor."""
+    ranks: tuple[RankAssignment, ...]
+    lookup_namespaces: tuple[str, ...]
+    """Key prefixes that must all hold a chunk for it to count as a hit."""
+    bytes_per_token_per_rank: float
+    written_bytes_per_token: float
+    """Bytes written to the store per token, summed over all TP ranks."""
+    undeduplicated_bytes_per_token: float
+    """The same if every rank wrote its own copy (factor 1)."""
+    demoted: bool = False
+    """Forced to factor 1 because the replication audit found the replica set disagreeing."""
+
+    @property
+    def rules(self) -> tuple[str, ...]:
+        """Distinct rules that decided this group's layers, in first-use order."""
+        return tuple(dict.fromkeys(decision.rule or "(unmatched)" for decision in self.decisions))
+
+    @property
+    def origins(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(decision.origin for decision in self.decisions))
+
+    def writers(self, chunk_index: int) -> tuple[int, ...]:
+        return tuple(rank.tp_rank for rank in self.ranks if rank.schedule.writes(chunk_index))
+
+
+@dataclass(frozen=True)
+class Plan:
+    policy: str
+    model: str
+    topology: Topology
+    schedule: Schedule
+    audit_mode: AuditMode
+    audit_steps: int
+    key_template: str
+    key_context: KeyContext
+    fingerprint: str
+    groups: tuple[GroupPlan, ...]
+
+    @property
+    def factors(self) -> tuple[int, ...]:
+        return tuple(group.factor for group in self.groups)
+
+    def key_prefix(self, group: int, tp_rank: int, pcp_rank: int = 0, pp_rank: int = 0) -> str:
+        """The namespace ``tp_rank`` reads and writes for ``group``."""
+        group_plan = self.groups[group]
+        return self._prefix(group, group_plan.ranks[tp_rank].shard, tp_rank, pcp_rank, pp_rank)
+
+    def _prefix(self, group: int, shard: int, tp_rank: int, pcp_rank: int, pp_rank: int) -> str:
+        dcp_size = self.topology.dcp_size
+        return render_prefix(
+            self.key_template,
+            self.key_context,
+            fingerprint=self.fingerprint,
+            group=group,
+            shard=shard,
+            pcp_rank=pcp_rank,
+            # DCP subdivides TP: dcp_rank == tp_rank % dcp_size (vLLM's rule).
+            dcp_rank=tp_rank % dcp_size if dcp_size > 1 else 0,
+            pp_rank=pp_rank,
+        )

@@ -1,0 +1,114 @@
+"""Build kvpolicy's layout document from vLLM's own KV-cache objects.
+
+Nothing here knows a spec class by name: class, bases and fields are read generically, so specs
+from plugins come through like built-in ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from enum import Enum
+from fractions import Fraction
+from typing import Any
+
+import torch
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, UniformTypeKVCacheSpecs
+
+from kvpolicy.models import Group, LayerSpecs, Layout, Spec
+
+_OMITTED_FIELDS = ("block_size",)  # a top-level key of every Spec document
+_UNIFORM_GROUP_NAME = "uniform"
+
+
+def _plain(value: Any) -> Any:
+    """Convert a spec field value into a YAML-friendly value (scalars, lists, dicts)."""
+    # Enum first: IntEnum and str-Enum members are also ints and strs.
+    if isinstance(value, Enum):
+        inner = value.value
+        return inner if inner is None or isinstance(inner, (bool, int, float, str)) else value.name
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, Fraction):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        converted = ((_plain(key), _plain(item)) for key, item in value.items())
+        return {key if not isinstance(key, (list, dict)) else str(key): item for key, item in converted}
+    return str(value)
+
+
+def spec_document(spec: KVCacheSpec) -> Spec:
+    """Describe one vLLM ``KVCacheSpec`` as a kvpolicy ``Spec``: class name, base class names (MRO
+    without ``object``), block size, page size in bytes and every other dataclass field."""
+    # The per-layer specs of a uniform group become the group's ``uniform`` entries instead.
+    skipped = _OMITTED_FIELDS
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        skipped = (*skipped, "kv_cache_specs")
+    return Spec(
+        type=type(spec).__name__,
+        bases=tuple(cls.__name__ for cls in type(spec).__mro__[1:] if cls is not object),
+        block_size=spec.block_size,
+        page_size_bytes=int(spec.page_size_bytes),
+        fields={
+            field.name: _plain(getattr(spec, field.name))
+            for field in dataclasses.fields(spec)
+            if field.name not in skipped
+        },
+    )
+
+
+def _kebab(class_name: str) -> str:
+    stem = class_name.removesuffix("Spec")
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "-", stem).lower()
+
+
+def _uniform_entries(spec: UniformTypeKVCacheSpecs) -> tuple[LayerSpecs, ...]:
+    # Spec documents hold dicts, so they are unhashable: merge by equality, keeping first appearance.
+    merged: list[tuple[Spec, list[str]]] = []
+    for layer, layer_spec in spec.kv_cache_specs.items():
+        document = spec_document(layer_spec)
+        for known, layers in merged:
+            if known == document:
+                layers.append(layer)
+                break
+        else:
+            merged.append((document, [layer]))
+    return tuple(LayerSpecs(spec=document, layers=tuple(layers)) for document, layers in merged)
+
+
+def layout_from_kv_cache_config(
+    kv_cache_config: KVCacheConfig, *, model: str, total_num_kv_heads: int
+) -> Layout:
+    """Build the ``Layout`` of a model from vLLM's ``KVCacheConfig``.
+
+    Only the groups vLLM's Mooncake store transfers are kept, in its order, so that a group's index
+    in the layout is its ``@group:`` number in store keys: ``kv_cache_config.prefix_cacheable_groups``,
+    the selection ``MooncakeStoreCoordinator.from_kv_cache_config`` uses.
+    """
+    selected = kv_cache_config.prefix_cacheable_groups
+    if not selected:
+        raise ValueError("the KV cache config has no prefix-cacheable group to describe")
+    names = [
+        _UNIFORM_GROUP_NAME if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs)
+        else _kebab(type(group.kv_cache_spec).__name__)
+        for group in selected
+    ]
+    # Kebab names never end in "-<digit>", so a suffixed name cannot collide with another name.
+    names = [f"{name}-{index}" if True else name for index, name in enumerate(names)]
+    groups = tuple(
+        Group(name=name, uniform=_uniform_entries(group.kv_cache_spec))
+        if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs)
+        else Group(name=name, spec=spec_document(group.kv_cache_spec), layers=tuple(group.layer_names))
+        for name, group in zip(names, selected, strict=True)
+    )
+    return Layout(
+        version=1,
+        kind="ModelLayout",
+        model=model,
+        total_num_kv_heads=total_num_kv_heads,
+        groups=groups,
+    )

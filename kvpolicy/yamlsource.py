@@ -1,0 +1,156 @@
+"""YAML parsing that remembers where every key and value came from.
+
+PyYAML's node tree has line and column marks; this walks it into plain Python values and keeps a
+map from each value's path (``("rules", 2, "factor")``) to its position, so later validation errors
+can point at the exact line and column. Duplicate keys, which PyYAML silently merges, are errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from yaml.constructor import SafeConstructor
+
+from kvpolicy.diagnostics import Diagnostic
+
+Path = tuple[str | int, ...]
+MAX_DOCUMENT_BYTES = 4 * 1024 * 1024
+MAX_NODES = 200_000
+
+
+@dataclass(frozen=True)
+class Position:
+    line: int
+    """1-based."""
+    column: int
+    """1-based."""
+    quoted: bool = False
+    """Whether the scalar starts with a quote, so its text starts one column later."""
+
+
+@dataclass
+class SourceMap:
+    """Positions of the keys and values of one parsed document."""
+
+    path: str
+    keys: dict[Path, Position] = field(default_factory=dict)
+    values: dict[Path, Position] = field(default_factory=dict)
+
+    def locate(self, location: Path, *, prefer_key: bool = False) -> Position:
+        """The position of ``location``, or of its nearest ancestor that exists in the file."""
+        for end in range(len(location), -1, -1):
+            prefix = location[:end]
+            first, second = (self.keys, self.values) if prefer_key else (self.values, self.keys)
+            if prefix in first:
+                return first[prefix]
+            if prefix in second:
+                return second[prefix]
+        return Position(1, 1)
+
+    def diagnostic(
+        self, location: Path, message: str, *, severity: str = "error", prefer_key: bool = False, offset: int | None = None
+    ) -> Diagnostic:
+        """A diagnostic at ``location``; ``offset`` is a column inside that scalar's text."""
+        position = self.locate(location, prefer_key=prefer_key)
+        column = position.column
+        if offset is not None and location in self.values:
+            column += offset + (1 if position.quoted else 0)
+        return Diagnostic(self.path, position.line, column, severity, message)  # type: ignore[arg-type]
+
+
+class _Builder:
+    def __init__(self, source: SourceMap) -> None:
+        self.source = source
+        self.constructor = SafeConstructor()
+        self.problems: list[Diagnostic] = []
+        self.nodes = 0
+
+    def build(self, node: yaml.Node, path: Path) -> Any:
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise _TooLarge
+        self.source.values[path] = _position(node)
+        if isinstance(node, yaml.MappingNode):
+            result: dict[Any, Any] = {}
+            for key_node, value_node in node.value:
+                key = self._scalar_key(key_node)
+                if key is None:
+                    continue
+                if key in result:
+                    first = self.source.keys[(*path, key)]
+                    self.problems.append(
+                        Diagnostic(
+                            self.source.path,
+                            key_node.start_mark.line + 1,
+                            key_node.start_mark.column + 1,
+                            "error",
+                            f"duplicate key '{key}' (first defined at line {first.line}); remove one",
+                        )
+                    )
+                    continue
+                self.source.keys[(*path, key)] = _position(key_node)
+                result[key] = self.build(value_node, (*path, key))
+            return result
+        if isinstance(node, yaml.SequenceNode):
+            return [self.build(item, (*path, index)) for index, item in enumerate(node.value)]
+        return self.constructor.construct_object(node, deep=True)
+
+    def _scalar_key(self, node: yaml.Node) -> Any:
+        if not isinstance(node, yaml.ScalarNode):
+            self.problems.append(
+                Diagnostic(
+                    self.source.path,
+                    node.start_mark.line + 1,
+                    node.start_mark.column + 1,
+                    "error",
+                    "mapping keys must be plain names, not collections",
+                )
+            )
+            return None
+        key = self.constructor.construct_object(node)
+        return str(key) if not isinstance(key, str) else key
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _position(node: yaml.Node) -> Position:
+    quoted = isinstance(node, yaml.ScalarNode) and node.style in ("'", '"')
+    return Position(node.start_mark.line + 1, node.start_mark.column + 1, quoted)
+
+
+def parse(text: str, path: str) -> tuple[Any, SourceMap, list[Diagnostic]]:
+    """Parse one YAML document; return its value, its source map and any problems found."""
+    source = SourceMap(path)
+    if len(text.encode("utf-8", errors="replace")) > MAX_DOCUMENT_BYTES:
+        return None, source, [Diagnostic(path, 1, 1, "error", f"file is larger than {MAX_DOCUMENT_BYTES} bytes")]
+    try:
+        nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        line, column = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        problem = error.problem or error.context or "invalid YAML"
+        return None, source, [Diagnostic(path, line, column, "error", f"YAML syntax: {problem}")]
+    except (yaml.YAMLError, RecursionError, ValueError) as error:
+        return None, source, [Diagnostic(path, 1, 1, "error", f"YAML syntax: {error}")]
+    nodes = [node for node in nodes if node is not None]
+    if not nodes:
+        return None, source, [Diagnostic(path, 1, 1, "error", "file is empty; expected a policy or layout document")]
+    if len(nodes) > 1:
+        mark = nodes[1].start_mark
+        return None, source, [
+            Diagnostic(path, mark.line + 1, mark.column + 1, "error", "one document per file; remove the '---' separator")
+        ]
+    builder = _Builder(source)
+    try:
+        value = builder.build(nodes[0], ())
+    except _TooLarge:
+        return None, source, [Diagnostic(path, 1, 1, "error", f"document has more than {MAX_NODES} nodes")]
+    except (yaml.YAMLError, RecursionError, ValueError, TypeError) as error:
+        mark = getattr(error, "problem_mark", None)
+        line, column = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        return None, source, [Diagnostic(path, line, column, "error", f"YAML value: {error}")]
+    return value, source, builder.problems
