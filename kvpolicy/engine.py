@@ -153,7 +153,10 @@ def _rule_factor(rule: Rule, variables: Mapping[str, Value], topology: Topology,
     quantity = "factor" if rule.factor is not None else "shards"
     missing = sorted(expression.names - variables.keys())
     if missing:
-        raise PlanError(f"{where}: {quantity} reads '{missing[0]}', which this spec does not have")
+        raise PlanError(
+            f"{where}: {quantity} reads '{missing[0]}', which this spec does not state; "
+            f"add '{missing[0]}' to the layout's spec fields (null when vLLM leaves it unset)"
+        )
     try:
         value = expression.evaluate(variables)
     except ExpressionError as error:

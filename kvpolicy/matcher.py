@@ -52,7 +52,10 @@ def judge(rule: Rule, spec: Spec, layer: str, variables: Mapping[str, Value]) ->
     if rule.when is not None:
         missing = sorted(rule.when.names - variables.keys())
         if missing:
-            raise ExpressionError(f"'when' reads '{missing[0]}', which {spec.type} does not have")
+            raise ExpressionError(
+                f"'when' reads '{missing[0]}', which this {spec.type} does not state; "
+                f"add '{missing[0]}' to the layout's spec fields (null when vLLM leaves it unset)"
+            )
         if not rule.when.evaluate(variables):
             return Verdict(False, f"when: {rule.when.source} is false")
     return Verdict(True, "matched")

@@ -131,12 +131,12 @@ class MooncakeMaster:
                     f"--rpc_port={self.rpc_port}",
                     f"--metrics_host={LOOPBACK}",
                     f"--metrics_port={self.metrics_port}",
-                    # Off by default; pinned so a flagfile or FLAGS_* env cannot open 0.0.0.0.
+                    # Off by default today; pinned so a changed default cannot open 0.0.0.0.
                     "--enable_http_metadata_server=false",
                     f"--http_metadata_server_host={LOOPBACK}",
                     "--enable_kv_events=false",
                     "--enable_ha=false",
-                    # glog would otherwise also write files under /tmp.
+                    # glog to stderr (our log file), never to files of its own under /tmp.
                     "--logtostderr=true",
                 ],
                 stdin=subprocess.DEVNULL,

@@ -98,7 +98,7 @@ def layout_from_kv_cache_config(
         for group in selected
     ]
     # Kebab names never end in "-<digit>", so a suffixed name cannot collide with another name.
-    names = [f"{name}-{index}" if True else name for index, name in enumerate(names)]
+    names = [f"{name}-{index}" if names.count(name) > 1 else name for index, name in enumerate(names)]
     groups = tuple(
         Group(name=name, uniform=_uniform_entries(group.kv_cache_spec))
         if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs)

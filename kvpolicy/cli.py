@@ -1,0 +1,185 @@
+"""The ``kvpolicy`` command: validate, schema, plan, explain, vllm-config, demo.
+
+Exit codes: 0 success; 1 the input is invalid (every problem printed as ``PATH:LINE:COL: error: ...``)
+or a check failed; 2 the command line is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvpolicy import schema
+from kvpolicy.diagnostics import Diagnostic, DocumentError, PlanError
+from kvpolicy.engine import plan as make_plan
+from kvpolicy.loader import _bundled_dir, check_file, load_layout, load_policy, shipped_policy_names
+from kvpolicy.models import Policy, Topology
+from kvpolicy.report import format_explanation, format_plan_table, plan_to_json
+
+
+def _validate(args: argparse.Namespace) -> int:
+    results: list[tuple[str, str | None, list[Diagnostic]]] = []
+    for path in args.paths:
+        document, problems = check_file(path)
+        kind = None if document is None else document.kind
+        results.append((path, kind, problems))
+    failed = any(any(d.severity == "error" for d in problems) for _, _, problems in results)
+    if args.format == "json":
+        payload = {
+            "valid": not failed,
+            "files": [
+                {
+                    "path": path,
+                    "kind": kind,
+                    "valid": not any(d.severity == "error" for d in problems),
+                    "diagnostics": [d.to_json() for d in problems],
+                }
+                for path, kind, problems in results
+            ],
+        }
+        print(json.dumps(payload, indent=2))
+    else:
+        for path, kind, problems in results:
+            for diagnostic in problems:
+                print(diagnostic)
+            if kind is not None:
+                warnings = sum(d.severity == "warning" for d in problems)
+                note = f" ({warnings} warning{'s' * (warnings != 1)})" if warnings else ""
+                print(f"{path}: ok, {kind}{note}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _schema(args: argparse.Namespace) -> int:
+    directory = Path(args.dir) if args.dir else _bundled_dir("schemas")
+    if args.check:
+        stale = schema.stale_files(directory)
+        for path in stale:
+            print(f"{path}:1:1: error: schema is stale; run 'kvpolicy schema --write'")
+        return 1 if stale else 0
+    if args.write:
+        for path in schema.write(directory):
+            print(f"wrote {path}", file=sys.stderr)
+        return 0
+    print(json.dumps({name: schema.json_schema(model) for name, model in schema.SCHEMA_FILES.items()}, indent=2))
+    return 0
+
+
+def _topology(args: argparse.Namespace) -> Topology:
+    return Topology(tp_size=args.tp, pp_size=args.pp, pcp_size=args.pcp, dcp_size=args.dcp)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    policy = load_policy(args.policy)
+    layout = load_layout(args.layout)
+    result = make_plan(policy, layout, _topology(args))
+    if args.format == "json":
+        payload = plan_to_json(result)
+        if args.explain:
+            payload["explanation"] = format_explanation(result).splitlines()
+        print(json.dumps(payload, indent=2))
+        return 0
+    print(format_plan_table(result))
+    if args.explain:
+        print()
+        print(format_explanation(result))
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    args.explain = True
+    return _plan(args)
+
+
+def _vllm_config(args: argparse.Namespace) -> int:
+    policy: Policy = load_policy(args.policy)  # refuse to print a config that would fail at start-up
+    setting: object = args.policy if not args.strict else {"policy": args.policy, "strict": True}
+    config = {
+        "kv_connector": "KVPolicyConnector",
+        "kv_connector_module_path": "kvpolicy.vllm",
+        "kv_role": args.role,
+        "kv_connector_extra_config": {"kvpolicy": setting},
+    }
+    print(json.dumps(config, separators=(",", ":")))
+    print(f"# policy '{policy.name}' is valid; pass the line above to --kv-transfer-config", file=sys.stderr)
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    for name in shipped_policy_names():
+        print(f"{name:14} {load_policy(name).description.strip()}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvpolicy.demo import run_demo  # imports vLLM and Mooncake; keep them out of the other commands
+
+    return run_demo(tp_size=args.tp, with_engine=not args.no_engine)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpolicy", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    validate = commands.add_parser("validate", help="check policy and layout files; print every problem")
+    validate.add_argument("paths", nargs="+", metavar="PATH")
+    validate.add_argument("--format", choices=("text", "json"), default="text")
+    validate.set_defaults(run=_validate)
+
+    schema_command = commands.add_parser("schema", help="print the JSON Schemas, or check/write schemas/")
+    schema_command.add_argument("--check", action="store_true", help="exit 1 when schemas/ is stale")
+    schema_command.add_argument("--write", action="store_true", help="regenerate schemas/")
+    schema_command.add_argument("--dir", help="schema directory (default: the project's schemas/)")
+    schema_command.set_defaults(run=_schema)
+
+    for name, run, summary in (
+        ("plan", _plan, "show the plan of a policy for a layout and topology"),
+        ("explain", _explain, "for each layer: which rule matched and why earlier ones did not"),
+    ):
+        command = commands.add_parser(name, help=summary)
+        command.add_argument("--policy", required=True, help="a shipped policy's name or a path")
+        command.add_argument("--layout", required=True, help="an example layout's name or a path")
+        command.add_argument("--tp", type=int, required=True)
+        command.add_argument("--pp", type=int, default=1)
+        command.add_argument("--pcp", type=int, default=1)
+        command.add_argument("--dcp", type=int, default=1)
+        command.add_argument("--format", choices=("text", "json"), default="text")
+        command.add_argument("--explain", action="store_true", default=name == "explain", help=argparse.SUPPRESS)
+        command.set_defaults(run=run)
+
+    vllm_config = commands.add_parser("vllm-config", help="print the --kv-transfer-config JSON for a policy")
+    vllm_config.add_argument("--policy", required=True)
+    vllm_config.add_argument("--role", choices=("kv_both", "kv_producer", "kv_consumer"), default="kv_both")
+    vllm_config.add_argument("--strict", action="store_true", help="make specs no rule matches an error")
+    vllm_config.set_defaults(run=_vllm_config)
+
+    list_command = commands.add_parser("list", help="list the shipped policies")
+    list_command.set_defaults(run=_list)
+
+    demo = commands.add_parser("demo", help="embedded Mooncake master, multi-rank harness, vLLM cold/warm run")
+    demo.add_argument("--tp", type=int, default=4, help="TP size of the simulated hybrid instance")
+    demo.add_argument("--no-engine", action="store_true", help="skip the vLLM engine run")
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except DocumentError as error:
+        for diagnostic in error.diagnostics:
+            print(diagnostic)
+        return 1
+    except (PlanError, ValueError) as error:
+        print(f"error: {error}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

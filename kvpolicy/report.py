@@ -1,0 +1,127 @@
+"""Plans rendered for people (a table, an explanation) and for machines (JSON)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpolicy.plan import GroupPlan, Plan
+
+
+def _writers(group: GroupPlan) -> str:
+    if group.factor == 1:
+        return "every rank"
+    kind = group.ranks[0].schedule.kind.value
+    return {"striped": f"1 of {group.factor}, striped", "leader": "replica-set leader", "all": f"all {group.factor}"}[
+        kind
+    ]
+
+
+def _bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_plan_table(plan: Plan) -> str:
+    """A readable table: one row per group, then totals and the fingerprint."""
+    topology = plan.topology
+    header = ("group", "spec", "rule", "factor", "shards", "writers", "written/token", "no dedup/token")
+    rows = [header]
+    for group in plan.groups:
+        rule = ", ".join(group.rules) + (" (audit: demoted)" if group.demoted else "")
+        rows.append(
+            (
+                f"{group.index} {group.name}",
+                "+".join(group.spec_types) if not group.uniform else "uniform{" + ",".join(group.spec_types) + "}",
+                rule,
+                str(group.factor),
+                str(group.shards),
+                _writers(group),
+                _bytes(group.written_bytes_per_token),
+                _bytes(group.undeduplicated_bytes_per_token),
+            )
+        )
+    written = sum(group.written_bytes_per_token for group in plan.groups)
+    baseline = sum(group.undeduplicated_bytes_per_token for group in plan.groups)
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
+    lines = [
+        f"plan: policy {plan.policy}, model {plan.model}, tp={topology.tp_size} pp={topology.pp_size} "
+        f"pcp={topology.pcp_size} dcp={topology.dcp_size}, schedule {plan.schedule.value}, fingerprint {plan.fingerprint}"
+    ]
+    for index, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+        if index == 0:
+            lines.append("  ".join("-" * width for width in widths))
+    ratio = f" ({baseline / written:.2f}x less than no dedup)" if written else ""
+    lines.append(f"total written per token: {_bytes(written)} vs {_bytes(baseline)} without dedup{ratio}")
+    return "\n".join(lines)
+
+
+def format_explanation(plan: Plan) -> str:
+    """For each layer: which rule matched, and why every earlier rule did not."""
+    lines: list[str] = []
+    for group in plan.groups:
+        lines.append(f"group {group.index} ({group.name}): factor {group.factor} = gcd of its layers' factors")
+        previous: tuple[object, ...] | None = None
+        for decision in group.decisions:
+            summary = (decision.spec_type, decision.rule, decision.factor, decision.passed_over)
+            if summary == previous:
+                continue  # consecutive layers decided identically: say it once
+            previous = summary
+            same = [d.layer for d in group.decisions if (d.spec_type, d.rule, d.factor, d.passed_over) == summary]
+            layers = same[0] if len(same) == 1 else f"{same[0]} (+{len(same) - 1} more layers alike)"
+            lines.append(f"  {layers}: {decision.spec_type}")
+            for rule, reason in decision.passed_over:
+                lines.append(f"    - {rule}: skipped, {reason}")
+            verdict = f"rule {decision.rule} ({decision.origin})" if decision.rule else decision.origin
+            lines.append(f"    = {verdict}: factor {decision.factor}")
+    return "\n".join(lines)
+
+
+def plan_to_json(plan: Plan) -> dict[str, Any]:
+    topology = plan.topology
+    return {
+        "policy": plan.policy,
+        "model": plan.model,
+        "topology": topology.model_dump(),
+        "schedule": plan.schedule.value,
+        "fingerprint": plan.fingerprint,
+        "audit": {"mode": plan.audit_mode.value, "steps": plan.audit_steps},
+        "groups": [
+            {
+                "index": group.index,
+                "name": group.name,
+                "spec_types": list(group.spec_types),
+                "uniform": group.uniform,
+                "factor": group.factor,
+                "shards": group.shards,
+                "rule": ", ".join(group.rules),
+                "rules": list(group.rules),
+                "origins": list(group.origins),
+                "demoted": group.demoted,
+                "lookup_namespaces": list(group.lookup_namespaces),
+                "ranks": [
+                    {
+                        "tp_rank": rank.tp_rank,
+                        "shard": rank.shard,
+                        "replica_set": list(rank.replica_set),
+                        "writes": {
+                            "schedule": rank.schedule.kind.value,
+                            "step": rank.schedule.step,
+                            "phase": rank.schedule.phase,
+                            "active": rank.schedule.active,
+                        },
+                    }
+                    for rank in group.ranks
+                ],
+                "bytes_per_token": {
+                    "per_rank": group.bytes_per_token_per_rank,
+                    "written": group.written_bytes_per_token,
+                    "without_dedup": group.undeduplicated_bytes_per_token,
+                },
+            }
+            for group in plan.groups
+        ],
+    }

