@@ -111,10 +111,17 @@ def _parse(source: str) -> ast.expr:
         raise ExpressionError(f"expression is longer than {MAX_SOURCE_LENGTH} characters")
     if "\n" in source.strip():
         raise ExpressionError("expression must fit on one line")
+    text = source.strip()
+    indent = len(source) - len(source.lstrip())
     try:
-        tree = ast.parse(source.strip(), mode="eval").body
+        tree = ast.parse(text, mode="eval").body
     except SyntaxError as error:
-        raise ExpressionError(f"invalid syntax: {error.msg}", max(0, (error.offset or 1) - 1)) from None
+        raise ExpressionError(f"invalid syntax: {error.msg}", indent + max(0, (error.offset or 1) - 1)) from None
+    # ast columns are UTF-8 byte offsets into the stripped text; make them character offsets into ``source``.
+    encoded = text.encode()
+    for node in ast.walk(tree):
+        if hasattr(node, "col_offset"):
+            node.col_offset = indent + len(encoded[: node.col_offset].decode(errors="ignore"))
     _check_tree(tree, depth=1)
     return tree
 
@@ -135,8 +142,9 @@ def _check_tree(node: ast.AST, depth: int) -> None:
                     f"only integers, strings, True/False and None are allowed, not {type(value).__name__} {value!r}",
                     column,
                 )
-        case ast.Name():
-            pass
+        case ast.Name(id=name):
+            if name in _FUNCTIONS:  # a call's own name is not visited: Call returns early below
+                raise ExpressionError(f"'{name}' is a function; call it as {name}(...)", column)
         case ast.BinOp(op=op):
             if type(op) not in _BINARY:
                 spelling = _OPERATOR_SPELLING.get(type(op), type(op).__name__)

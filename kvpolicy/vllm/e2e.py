@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -147,7 +148,7 @@ class SegmentHolder:
             "local_buffer_size": buffer_mib * 1024 * 1024,
         }
         self._start_timeout = start_timeout
-        self._process: subprocess.Popen[str] | None = None
+        self._process: subprocess.Popen[bytes] | None = None
         self._log: Any = None
 
     def start(self) -> SegmentHolder:
@@ -157,23 +158,21 @@ class SegmentHolder:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
-            text=True,
             env=_child_env({}),
             start_new_session=True,
         )
         assert self._process.stdout is not None
         deadline = time.monotonic() + self._start_timeout
-        os.set_blocking(self._process.stdout.fileno(), False)
-        buffered = ""
-        while "ready" not in buffered:
+        buffered = b""
+        while b"ready" not in buffered:
             if self._process.poll() is not None or time.monotonic() > deadline:
                 self._log.seek(0)
                 tail = _tail(self._log.read())
                 self.stop()
                 raise RuntimeError(f"the Mooncake segment holder did not start:\n{tail}")
-            chunk = self._process.stdout.read()
-            buffered += chunk or ""
-            time.sleep(0.05)
+            readable, _, _ = select.select([self._process.stdout], [], [], 0.1)
+            if readable:
+                buffered += os.read(self._process.stdout.fileno(), 4096)
         return self
 
     def stop(self) -> None:

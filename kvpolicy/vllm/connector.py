@@ -1,0 +1,141 @@
+"""``KVPolicyConnector``: vLLM's Mooncake store connector, run under a kvpolicy replication policy.
+
+Configure it with::
+
+    {"kv_connector": "KVPolicyConnector", "kv_connector_module_path": "kvpolicy.vllm",
+     "kv_role": "kv_both", "kv_connector_extra_config": {"kvpolicy": "default"}}
+
+``kvpolicy`` is a shipped policy name, a policy file path, or ``{"policy": <name or path>,
+"strict": <bool>}``. The policy is loaded and validated first, in both roles, so a bad policy stops
+start-up with the validator's located messages before any store connection is made.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from kvpolicy.diagnostics import Diagnostic, DocumentError
+from kvpolicy.loader import load_policy, shipped_policy_names
+from kvpolicy.models import Policy
+from kvpolicy.plan import Plan
+from kvpolicy.vllm.worker import KVPolicyStoreWorker
+
+__all__ = ["POLICY_KEY", "KVPolicyConfigError", "KVPolicyConnector", "resolve_policy"]
+
+POLICY_KEY = "kvpolicy"
+"""The ``kv_connector_extra_config`` key that selects the policy."""
+
+_MAPPING_KEYS = ("policy", "strict")
+
+
+class KVPolicyConfigError(ValueError):
+    """``kv_connector_extra_config`` does not name a usable policy.
+
+    The message is the validator's text (``path:line:col: error: ...``, one line per problem) or,
+    for a malformed setting, one sentence on what to write instead.
+    """
+
+    def __init__(self, message: str, diagnostics: tuple[Diagnostic, ...] = ()) -> None:
+        super().__init__(message)
+        self.diagnostics = diagnostics
+
+
+def _usage() -> str:
+    return (
+        f"set kv_connector_extra_config['{POLICY_KEY}'] to a shipped policy ({', '.join(shipped_policy_names())}), "
+        "a policy file path, or {'policy': <name or path>, 'strict': <true|false>}"
+    )
+
+
+def _from_mapping(setting: Mapping[str, Any]) -> tuple[str, bool | None]:
+    unknown = [key for key in setting if key not in _MAPPING_KEYS]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), _MAPPING_KEYS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; allowed: {', '.join(_MAPPING_KEYS)}"
+        raise KVPolicyConfigError(f"kv_connector_extra_config['{POLICY_KEY}']: unknown key '{unknown[0]}'{hint}")
+    name = setting.get("policy")
+    if not isinstance(name, (str, os.PathLike)) or not os.fspath(name):
+        raise KVPolicyConfigError(f"kv_connector_extra_config['{POLICY_KEY}'] lacks 'policy'; {_usage()}")
+    strict = setting.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise KVPolicyConfigError(
+            f"kv_connector_extra_config['{POLICY_KEY}']['strict'] must be true or false, got {strict!r}"
+        )
+    return os.fspath(name), strict
+
+
+def resolve_policy(extra_config: Mapping[str, Any]) -> Policy:
+    """The policy ``extra_config`` selects, loaded and validated; raise :class:`KVPolicyConfigError`."""
+    setting = extra_config.get(POLICY_KEY)
+    if isinstance(setting, Mapping):
+        name, strict = _from_mapping(setting)
+    elif isinstance(setting, (str, os.PathLike)) and os.fspath(setting):
+        name, strict = os.fspath(setting), None
+    elif setting is None or setting == "":
+        raise KVPolicyConfigError(f"no policy selected; {_usage()}")
+    else:
+        raise KVPolicyConfigError(
+            f"kv_connector_extra_config['{POLICY_KEY}'] is a {type(setting).__name__}; {_usage()}"
+        )
+    try:
+        policy = load_policy(name)
+    except DocumentError as error:
+        # No chained traceback: the located messages are the whole story.
+        raise KVPolicyConfigError(str(error), error.diagnostics) from None
+    if strict is None or strict == policy.strict:
+        return policy
+    origins = tuple(policy.rule_origin(index) for index in range(len(policy.rules)))
+    # Re-attach origins explicitly: they are private state that errors cite as file:line.
+    return policy.model_copy(update={"strict": strict}).with_origins(origins)
+
+
+class KVPolicyConnector(MooncakeStoreConnector, SupportsHMA):
+    """``MooncakeStoreConnector`` whose worker takes factors, keys, put schedules and lookups from a plan."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        if vllm_config.kv_transfer_config is None:
+            raise KVPolicyConfigError("KVPolicyConnector needs a kv_transfer_config")
+        self.policy: Policy = resolve_policy(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        if role == KVConnectorRole.SCHEDULER:
+            # The scheduler side needs no plan: lookups run on worker rank 0.
+            super().__init__(vllm_config, role, kv_cache_config)
+            return
+        self._init_worker_role(vllm_config, role, kv_cache_config)
+
+    def _init_worker_role(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        # MooncakeStoreConnector.__init__ ends with `MooncakeStoreWorker(vllm_config, kv_cache_config)`,
+        # a module-global name with no hook, and that constructor must not run: it mounts a Mooncake
+        # segment and binds rank 0's lookup socket. The alternatives were rebinding that global in
+        # vLLM's module around super().__init__ (a process-wide monkeypatch that any other connector
+        # built concurrently would see) or this: repeat the few role-independent lines of that
+        # __init__, in its order, and build our worker instead. The scheduler role still runs the
+        # upstream __init__ unchanged.
+        KVConnectorBase_V1.__init__(self, vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        assert vllm_config.kv_transfer_config is not None
+        self.kv_role = vllm_config.kv_transfer_config.kv_role
+        extra_config = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self._capacity_only = (
+            self.kv_role == "kv_consumer"
+            and not extra_config.get("enable_lookup", True)
+            and not extra_config.get("save_decode_cache", False)
+        )
+        if not self._capacity_only:
+            self._validate_kv_cache_config(vllm_config, kv_cache_config)
+        self._kv_cache_config = kv_cache_config
+        self._kv_cache_events = None
+        self.connector_scheduler = None
+        self.connector_worker = KVPolicyStoreWorker(vllm_config, kv_cache_config, policy=self.policy)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The worker's plan; None on the scheduler role and on a capacity-only worker."""
+        worker = self.connector_worker
+        return worker.plan if isinstance(worker, KVPolicyStoreWorker) else None

@@ -1,0 +1,60 @@
+"""Builders shared by the core tests: layouts and policies written as plain data, validated by the real models."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+from kvpolicy.catalog import SPEC_CLASSES
+from kvpolicy.loader import check_text
+from kvpolicy.models import Layout, Policy
+
+MODEL = "deepseek-ai/DeepSeek-V2-Lite"
+MODEL_BASENAME = "DeepSeek-V2-Lite"
+
+
+def spec(type_: str, *, bases: tuple[str, ...] | None = None, block_size: int = 16,
+         page_size_bytes: int | str = 4096, **fields: Any) -> dict[str, Any]:
+    """A spec as a layout file states it; bases default to vLLM 0.32's MRO for known classes."""
+    return {
+        "type": type_,
+        "bases": list(SPEC_CLASSES.get(type_, ("KVCacheSpec",)) if bases is None else bases),
+        "block_size": block_size,
+        "page_size_bytes": page_size_bytes,
+        "fields": fields,
+    }
+
+
+def mla(**fields: Any) -> dict[str, Any]:
+    return spec("MLAAttentionSpec", **{"max_tp_shards": 1, "num_kv_heads": 1, **fields})
+
+
+def full(**fields: Any) -> dict[str, Any]:
+    return spec("FullAttentionSpec", **{"max_tp_shards": None, "num_kv_heads": 1, **fields})
+
+
+def mamba(**fields: Any) -> dict[str, Any]:
+    return spec("MambaSpec", **{"tp_replicated": False, "mamba_type": "mamba2", **fields})
+
+
+def layout(*groups: dict[str, Any] | list[dict[str, Any]], heads: int, model: str = MODEL) -> Layout:
+    """One group per argument: a spec dict is a plain group, a list of spec dicts a uniform group."""
+    built = []
+    for index, group in enumerate(groups):
+        if isinstance(group, list):
+            built.append({"uniform": [{"spec": member, "layers": [f"g{index}.m{m}.l0", f"g{index}.m{m}.l1"]}
+                                      for m, member in enumerate(group)]})
+        else:
+            built.append({"spec": group, "layers": [f"g{index}.l0", f"g{index}.l1"]})
+    return Layout.model_validate(
+        {"version": 1, "kind": "ModelLayout", "model": model, "total_num_kv_heads": heads, "groups": built}
+    )
+
+
+def policy(text: str) -> Policy:
+    """A policy from inline YAML; fails the test on any error."""
+    document, problems = check_text(textwrap.dedent(text), "inline.yaml")
+    errors = [str(problem) for problem in problems if problem.severity == "error"]
+    assert document is not None and not errors, errors
+    assert isinstance(document, Policy)
+    return document
