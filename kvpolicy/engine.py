@@ -49,8 +49,8 @@ def plan(
             "schedule": policy.schedule.value,
             "topology": {"pp": topology.pp_size, "pcp": topology.pcp_size, "dcp": topology.dcp_size},
             "groups": [
-                {"factor": factor, "shards": topology.tp_size // factor, "specs": _signature(group, variables)}
-                for group, (_, factor, _) in zip(layout.groups, decided, strict=True)
+                {"factor": factor, "shards": topology.tp_size // factor, "specs": signature}
+                for _, factor, _, signature in decided
             ],
         }
     )
@@ -68,7 +68,7 @@ def plan(
     )
     groups = tuple(
         _group_plan(skeleton, index, group, decisions, factor, per_rank_bytes, demoted=index in demoted)
-        for index, (group, (decisions, factor, per_rank_bytes)) in enumerate(zip(layout.groups, decided, strict=True))
+        for index, (group, (decisions, factor, per_rank_bytes, _)) in enumerate(zip(layout.groups, decided, strict=True))
     )
     return dataclasses.replace(skeleton, groups=groups)
 
@@ -81,10 +81,12 @@ def _decide_group(
     topology: Topology,
     *,
     demoted: bool,
-) -> tuple[tuple[LayerDecision, ...], int, float]:
+) -> tuple[tuple[LayerDecision, ...], int, float, list[dict[str, object]]]:
+    """Per-layer decisions, the group factor, bytes per token on one rank, and the group's spec signature."""
     label = f"group {index}" + (f" ({group.name})" if group.name else "")
     decisions: list[LayerDecision] = []
     per_rank_bytes = 0.0
+    signature: list[dict[str, object]] = []
     layer_sensitive = any(rule.match.layers is not None for rule in policy.rules)
     for member in group.members:
         try:
@@ -95,6 +97,15 @@ def _decide_group(
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 0:
             raise PlanError(f"{label}: page_size_bytes of {member.spec.type} is {page_size!r}, not a byte count")
         per_rank_bytes += page_size * len(member.layers) / member.spec.block_size
+        signature.append(
+            {
+                "type": member.spec.type,
+                "block_size": member.spec.block_size,
+                "page_size_bytes": page_size,
+                "fields": member.spec.fields,
+                "layers": len(member.layers),
+            }
+        )
         if layer_sensitive:
             decisions.extend(_decide_layer(policy, member, layer, member_variables, topology, label) for layer in member.layers)
         else:
@@ -111,7 +122,7 @@ def _decide_group(
             f"{topology.dcp_size}; under decode-context parallelism consecutive TP ranks hold different "
             "tokens, so no replica set exists — add a rule 'when: dcp_size > 1' giving 'sharded'"
         )
-    return tuple(decisions), 1 if demoted else factor, per_rank_bytes
+    return tuple(decisions), 1 if demoted else factor, per_rank_bytes, signature
 
 
 def _decide_layer(
@@ -224,15 +235,3 @@ def _schedule(kind: Schedule, tp_rank: int, group: int, factor: int) -> WriteSch
         return WriteSchedule(kind, step=1, phase=0, active=tp_rank % factor == 0)
     return WriteSchedule(kind, step=1, phase=0, active=True)
 
-
-def _signature(group: Group, variables: Mapping[str, Value]) -> list[dict[str, object]]:
-    return [
-        {
-            "type": member.spec.type,
-            "block_size": member.spec.block_size,
-            "page_size_bytes": member.spec.page_size_bytes.evaluate(variables),
-            "fields": member.spec.fields,
-            "layers": len(member.layers),
-        }
-        for member in group.members
-    ]

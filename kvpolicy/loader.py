@@ -165,8 +165,13 @@ def _model_for(data: dict[str, Any], source: SourceMap, problems: list[Diagnosti
 
 def _validation_diagnostics(error: ValidationError, model: type[BaseModel], source: SourceMap) -> Iterator[Diagnostic]:
     seen: set[tuple[Path, str]] = set()
-    for item in error.errors(include_url=False):
-        location = tuple(part for part in item["loc"] if _is_data_key(part))
+    items = error.errors(include_url=False)
+    locations = [tuple(part for part in item["loc"] if _is_data_key(part)) for item in items]
+    for item, location in zip(items, locations, strict=True):
+        if item["type"] == "too_short" and any(
+            len(other) > len(location) and other[: len(location)] == location for other in locations
+        ):
+            continue  # pydantic counts only the items that validated; the real error is reported inside
         message, prefer_key, offset = _describe(item, location, model)
         if (location, message) in seen:
             continue

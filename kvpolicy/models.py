@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from enum import Enum
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -330,12 +331,14 @@ class Group(Document):
             raise ValueError("a group needs 'spec' and 'layers', or 'uniform'")
         return self
 
-    @property
+    @cached_property
     def members(self) -> tuple[LayerSpecs, ...]:
+        """The group as (spec, layers) entries: one for a plain group, several for a uniform one."""
         if self.uniform is not None:
             return self.uniform
         assert self.spec is not None and self.layers is not None
-        return (LayerSpecs(spec=self.spec, layers=self.layers),)
+        # Both parts were validated with the group; model_construct skips validating them again.
+        return (LayerSpecs.model_construct(spec=self.spec, layers=self.layers),)
 
     @property
     def is_uniform(self) -> bool:

@@ -18,6 +18,7 @@ from kvpolicy.diagnostics import Diagnostic
 Path = tuple[str | int, ...]
 MAX_DOCUMENT_BYTES = 4 * 1024 * 1024
 MAX_NODES = 200_000
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the C parser keeps line/column marks too
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def parse(text: str, path: str) -> tuple[Any, SourceMap, list[Diagnostic]]:
     if len(text.encode("utf-8", errors="replace")) > MAX_DOCUMENT_BYTES:
         return None, source, [Diagnostic(path, 1, 1, "error", f"file is larger than {MAX_DOCUMENT_BYTES} bytes")]
     try:
-        nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+        nodes = list(yaml.compose_all(text, Loader=_LOADER))
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         line, column = (mark.line + 1, mark.column + 1) if mark else (1, 1)

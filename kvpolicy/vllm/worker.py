@@ -44,14 +44,21 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         # Upstream's __init__ calls the override points, so everything they read is set first.
         assert vllm_config.kv_transfer_config is not None
         extra_config = vllm_config.kv_transfer_config.kv_connector_extra_config
-        self._policy = policy
-        self._model = vllm_config.model_config.model
-        self._cache_prefix = str(extra_config.get("cache_prefix", ""))
-        self._store_namespace = ""
-        self._plan: Plan | None = None
+        self._init_policy_state(
+            policy, model=vllm_config.model_config.model, cache_prefix=str(extra_config.get("cache_prefix", ""))
+        )
         super().__init__(vllm_config, kv_cache_config)
         if vllm_config.parallel_config.rank == 0 and self._plan is not None:
             self._report_plan(extra_config.get(PLAN_JSON_KEY))
+
+    def _init_policy_state(self, policy: Policy, *, model: str, cache_prefix: str) -> None:
+        """What the override points read besides upstream's own attributes (model and cache prefix
+        exactly as upstream reads them for ``KeyMetadata``)."""
+        self._policy = policy
+        self._model = model
+        self._cache_prefix = cache_prefix
+        self._store_namespace = ""
+        self._plan: Plan | None = None
 
     @property
     def plan(self) -> Plan | None:

@@ -58,3 +58,27 @@ def policy(text: str) -> Policy:
     assert document is not None and not errors, errors
     assert isinstance(document, Policy)
     return document
+
+
+def upstream_factor(group: Any, *, tp_size: int, dcp_size: int, total_num_kv_heads: int) -> int:
+    """vLLM 0.32/0.33's ``_spec_tp_replication_factor``, re-written from the brief's five rules (not the engine).
+
+    ``group`` is a layout group; a class "is" X when X is its type or one of the bases the layout states.
+    """
+    # 1. dcp_size > 1 → 1
+    if dcp_size > 1:
+        return 1
+    # 2. inner specs: the per-layer specs of a uniform group, else the group's one spec
+    inner = [member.spec for member in group.uniform] if group.uniform is not None else [group.spec]
+
+    def isinstance_(spec_: Any, *names: str) -> bool:
+        return any(name == spec_.type or name in spec_.bases for name in names)
+
+    # 3. any inner MambaSpec → 1 (tp_replicated ignored)
+    if any(isinstance_(inner_spec, "MambaSpec") for inner_spec in inner):
+        return 1
+    # 4. all inner MLA or sliding-window MLA (or subclasses) → tp_size
+    if all(isinstance_(inner_spec, "MLAAttentionSpec", "SlidingWindowMLASpec") for inner_spec in inner):
+        return tp_size
+    # 5. otherwise max(1, tp_size // total_num_kv_heads)
+    return max(1, tp_size // total_num_kv_heads)

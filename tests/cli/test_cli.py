@@ -1,0 +1,158 @@
+"""The `kvpolicy` command's contract: exit codes, located errors, JSON shapes."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvpolicy.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+LAYOUTS = sorted((REPO / "examples" / "layouts").glob("*.yaml"))
+POLICIES = sorted((REPO / "policies").glob("*.yaml"))
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_validate_accepts_every_shipped_policy_and_example_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    assert len(POLICIES) >= 3 and len(LAYOUTS) >= 6
+    code, out, _ = run(capsys, "validate", *map(str, POLICIES), *map(str, LAYOUTS))
+    assert code == 0, out
+    assert "error" not in out
+
+
+def test_validate_reports_every_error_with_its_location_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        textwrap.dedent(
+            """\
+            version: 1
+            kind: ReplicationPolicy
+            name: bad
+            rules:
+              - name: first
+                reason: typo in a field name
+                replicaton: sharded
+              - name: second
+                reason: typo in a variable
+                factor: "tp_sise // 2"
+            """
+        )
+    )
+    code, out, _ = run(capsys, "validate", str(bad))
+    assert code == 1
+    lines = out.strip().splitlines()
+    assert f"{bad}:7:5: error: unknown field 'replicaton'; did you mean 'replication'?" in lines
+    assert f"{bad}:10:14: error: factor: unknown variable 'tp_sise'; did you mean 'tp_size'?" in lines
+
+
+def test_validate_json_lists_diagnostics_per_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nkind: ModelLayuot\n")
+    code, out, _ = run(capsys, "validate", "--format", "json", str(bad), str(POLICIES[0]))
+    payload = json.loads(out)
+    assert code == 1 and payload["valid"] is False
+    first, second = payload["files"]
+    assert first["valid"] is False and second["valid"] is True
+    assert first["diagnostics"][0]["line"] == 2
+    assert "did you mean 'ModelLayout'" in first["diagnostics"][0]["message"]
+
+
+def test_validate_unreadable_path_is_a_located_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "validate", "/nonexistent/policy.yaml")
+    assert code == 1
+    assert out.startswith("/nonexistent/policy.yaml:1:1: error: cannot read file")
+
+
+def test_schema_check_passes_on_the_committed_schemas(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "schema", "--check")
+    assert code == 0, out
+
+
+def test_schema_check_fails_on_a_stale_schema_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run(capsys, "schema", "--write", "--dir", str(tmp_path))
+    schema_file = tmp_path / "policy.schema.json"
+    schema_file.write_text(schema_file.read_text().replace("Ordered rules", "Stale rules"))
+    code, out, _ = run(capsys, "schema", "--check", "--dir", str(tmp_path))
+    assert code == 1
+    assert "policy.schema.json:1:1: error: schema is stale" in out
+
+
+def test_shipped_yaml_files_name_their_schema_for_editors() -> None:
+    for path in POLICIES + LAYOUTS:
+        first = path.read_text().splitlines()[0]
+        kind = "policy" if path in POLICIES else "layout"
+        assert first.startswith("# yaml-language-server: $schema=") and first.endswith(f"{kind}.schema.json"), path
+
+
+def test_plan_json_has_the_documented_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--policy", "vllm-compat", "--layout", "kimi-linear-48b-a3b", "--tp", "4", "--format", "json")
+    assert code == 0
+    payload = json.loads(out)
+    assert isinstance(payload["fingerprint"], str)
+    # Kimi-Linear: three KDA (MambaSpec) groups, then MLA.
+    assert [group["factor"] for group in payload["groups"]] == [1, 1, 1, 4]
+    assert [group["shards"] for group in payload["groups"]] == [4, 4, 4, 1]
+    mla = payload["groups"][3]
+    assert mla["index"] == 3 and mla["rule"] == "mla-latent"
+    assert mla["lookup_namespaces"] == ["Kimi-Linear-48B-A3B-Instruct@tp_rank:0@pcp0@dcp0@pp_rank:0@group:3"]
+
+
+def test_plan_text_shows_a_row_per_group_and_the_dedup_saving(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--policy", "default", "--layout", "deepseek-v3", "--tp", "8")
+    assert code == 0
+    assert "mla-latent" in out and "1 of 8, striped" in out
+    assert "8.00x less than no dedup" in out
+
+
+def test_explain_says_why_earlier_rules_did_not_match(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "explain", "--policy", "default", "--layout", "llama-3.1-70b", "--tp", "8")
+    assert code == 0
+    assert "mla-latent: skipped, FullAttentionSpec is not any of MLAAttentionSpec, SlidingWindowMLASpec" in out
+    assert "= rule kv-heads" in out
+
+
+def test_plan_with_unknown_policy_name_suggests_the_shipped_one(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--policy", "defualt", "--layout", "deepseek-v3", "--tp", "2")
+    assert code == 1
+    assert "did you mean 'default'?" in out
+
+
+def test_plan_refusal_is_an_error_line_naming_group_and_rule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "three.yaml"
+    policy.write_text(
+        "version: 1\nkind: ReplicationPolicy\nname: three\nrules:\n"
+        "  - name: always-three\n    reason: wrong on purpose\n    factor: 3\n"
+    )
+    code, out, _ = run(capsys, "plan", "--policy", str(policy), "--layout", "deepseek-v3", "--tp", "4")
+    assert code == 1
+    assert out.startswith("error: group 0 (mla)")
+    assert "rule 'always-three'" in out and "not a divisor of tp_size 4" in out
+
+
+def test_vllm_config_prints_the_line_to_paste(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "vllm-config", "--policy", "default", "--role", "kv_producer")
+    assert code == 0
+    assert json.loads(out) == {
+        "kv_connector": "KVPolicyConnector",
+        "kv_connector_module_path": "kvpolicy.vllm",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"kvpolicy": "default"},
+    }
+
+
+def test_vllm_config_refuses_an_invalid_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text("version: 2\nkind: ReplicationPolicy\nname: p\nrules: []\n")
+    code, out, _ = run(capsys, "vllm-config", "--policy", str(policy))
+    assert code == 1
+    assert f"{policy}:1:10: error: version" in out

@@ -1,0 +1,421 @@
+"""The engine against the brief's reference values, upstream's key format, the fingerprint and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+from core_support import MODEL, full, layout, mamba, mla, policy, spec
+
+from kvpolicy.diagnostics import PlanError
+from kvpolicy.engine import plan
+from kvpolicy.keys import KeyContext
+from kvpolicy.loader import load_policy, policies_dir
+from kvpolicy.models import Schedule, Topology
+
+VLLM_COMPAT = load_policy("vllm-compat")
+DEFAULT = load_policy("default")
+NO_DEDUP = load_policy("no-dedup")
+
+
+def factors(policy, the_layout, **topology):
+    return plan(policy, the_layout, Topology(**topology)).factors
+
+
+# --- the brief's reference values (pcp = pp = 1) -----------------------------------------------
+
+
+def test_mla_gqa_mamba_at_tp4_with_two_kv_heads():
+    assert factors(VLLM_COMPAT, layout(mla(), full(), mamba(), heads=2), tp_size=4) == (4, 2, 1)
+
+
+def test_uniform_mla_and_full_attention_group_at_tp4_with_two_kv_heads():
+    assert factors(VLLM_COMPAT, layout([mla(), full()], heads=2), tp_size=4) == (2,)
+
+
+def test_full_attention_and_mamba_at_tp2_with_one_kv_head():
+    assert factors(VLLM_COMPAT, layout(full(), mamba(), heads=1), tp_size=2) == (2, 1)
+
+
+@pytest.mark.parametrize("policy_", [VLLM_COMPAT, DEFAULT, NO_DEDUP], ids=lambda p: p.name)
+def test_decode_context_parallelism_makes_every_group_sharded(policy_):
+    the_layout = layout(mla(), full(), mamba(tp_replicated=True), [mla(), full()], heads=1)
+    assert factors(policy_, the_layout, tp_size=4, dcp_size=2) == (1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("policy_", [VLLM_COMPAT, DEFAULT, NO_DEDUP], ids=lambda p: p.name)
+def test_tp1_is_always_factor_one(policy_):
+    assert factors(policy_, layout(mla(), full(), mamba(tp_replicated=True), heads=1), tp_size=1) == (1, 1, 1)
+
+
+def test_vllm_compat_ignores_mamba_tp_replicated():
+    assert factors(VLLM_COMPAT, layout(mamba(tp_replicated=True), heads=1), tp_size=4) == (1,)
+
+
+def test_default_honours_mamba_tp_replicated():
+    the_layout = layout(mamba(tp_replicated=True), mamba(tp_replicated=False), heads=1)
+    assert factors(DEFAULT, the_layout, tp_size=4) == (4, 1)
+
+
+def test_vllm_compat_ignores_max_tp_shards():
+    # 8 KV heads at tp 8: upstream's head rule gives 1 whatever the spec declares
+    assert factors(VLLM_COMPAT, layout(full(max_tp_shards=2), heads=8), tp_size=8) == (1,)
+
+
+@pytest.mark.parametrize(
+    ("max_tp_shards", "expected"),
+    [
+        (2, 8 // 2),  # 2 distinct shards over 8 ranks: 4 ranks each hold the same bytes
+        (1, 8),
+        (16, 1),  # more shards declared than ranks: every rank distinct
+        (None, 1),  # no declaration: the head rule, 8 // 8 heads
+    ],
+)
+def test_default_honours_attention_max_tp_shards(max_tp_shards, expected):
+    assert factors(DEFAULT, layout(full(max_tp_shards=max_tp_shards), heads=8), tp_size=8) == (expected,)
+
+
+def test_default_matches_vllm_compat_on_the_reference_layout():
+    the_layout = layout(mla(), full(), mamba(), heads=2)
+    assert factors(DEFAULT, the_layout, tp_size=4) == (4, 2, 1)
+
+
+def test_no_dedup_makes_every_group_factor_one():
+    the_layout = layout(mla(), full(), mamba(tp_replicated=True), [mla(), full()], heads=1)
+    assert factors(NO_DEDUP, the_layout, tp_size=8) == (1, 1, 1, 1)
+
+
+def test_a_mamba_member_makes_a_uniform_group_sharded():
+    assert factors(VLLM_COMPAT, layout([mla(), mamba()], heads=1), tp_size=4) == (1,)
+
+
+def test_sliding_window_mla_counts_as_mla():
+    the_layout = layout([mla(), spec("SlidingWindowMLASpec", max_tp_shards=1)], heads=2)
+    assert factors(VLLM_COMPAT, the_layout, tp_size=4) == (4,)
+
+
+def test_an_mla_subclass_counts_as_mla():
+    assert factors(VLLM_COMPAT, layout(spec("HiddenStateCacheSpec", max_tp_shards=1), heads=4), tp_size=8) == (8,)
+
+
+def test_an_unknown_plugin_class_follows_its_declared_bases():
+    plugin = spec("PluginLatentSpec", bases=("MLAAttentionSpec", "FullAttentionSpec", "AttentionSpec", "KVCacheSpec"))
+    assert factors(VLLM_COMPAT, layout(plugin, heads=4), tp_size=8) == (8,)
+
+
+def test_specs_outside_attention_follow_the_head_rule_under_vllm_compat():
+    # upstream's rule 5 applies to every spec that is neither Mamba nor MLA
+    assert factors(VLLM_COMPAT, layout(spec("HiSparseHotSpec"), heads=2), tp_size=8) == (4,)
+
+
+def test_specs_no_rule_matches_are_sharded_under_default():
+    assert factors(DEFAULT, layout(spec("HiSparseHotSpec"), heads=2), tp_size=8) == (1,)
+
+
+# --- keys: byte-identical to upstream under vllm-compat ----------------------------------------
+
+
+def compat_plan(**topology):
+    return plan(VLLM_COMPAT, layout(mla(), full(), mamba(), heads=2), Topology(**{"tp_size": 4, **topology}))
+
+
+def test_key_prefix_without_cache_prefix_or_namespace():
+    the_plan = compat_plan()
+    # MLA group 0, factor 4: every rank is shard 0
+    assert the_plan.key_prefix(0, 3) == "DeepSeek-V2-Lite@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0"
+    # GQA group 1, factor 2: ranks 2 and 3 are shard 1
+    assert the_plan.key_prefix(1, 2) == "DeepSeek-V2-Lite@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1"
+    assert the_plan.key_prefix(1, 3) == "DeepSeek-V2-Lite@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1"
+    # Mamba group 2, factor 1: every rank its own
+    assert the_plan.key_prefix(2, 3) == "DeepSeek-V2-Lite@tp_rank:3@pcp0@dcp0@pp_rank:0@group:2"
+
+
+def test_key_prefix_with_pcp_and_pp_ranks():
+    the_plan = compat_plan(pp_size=2, pcp_size=2)
+    assert the_plan.key_prefix(1, 1, pcp_rank=1, pp_rank=1) == (
+        "DeepSeek-V2-Lite@tp_rank:0@pcp1@dcp0@pp_rank:1@group:1"
+    )
+
+
+def test_key_prefix_with_cache_prefix_and_store_namespace():
+    context = KeyContext.for_model(
+        "/models/deepseek-ai/DeepSeek-V2-Lite/", cache_prefix="tenant-a", store_namespace="@store_pp:1@store_format:x"
+    )
+    the_plan = plan(VLLM_COMPAT, layout(mla(), full(), mamba(), heads=2), Topology(tp_size=4), key_context=context)
+    assert the_plan.key_prefix(1, 3) == (
+        "tenant-a@DeepSeek-V2-Lite@store_pp:1@store_format:x@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1"
+    )
+
+
+def test_key_prefix_under_dcp_carries_the_dcp_rank():
+    the_plan = compat_plan(dcp_size=2)
+    assert the_plan.key_prefix(0, 3) == "DeepSeek-V2-Lite@tp_rank:3@pcp0@dcp1@pp_rank:0@group:0"
+    assert the_plan.key_prefix(0, 2) == "DeepSeek-V2-Lite@tp_rank:2@pcp0@dcp0@pp_rank:0@group:0"
+
+
+def test_lookup_namespaces_follow_upstream_order():
+    the_plan = compat_plan(pp_size=2, pcp_size=2)
+    # upstream: for pcp_rank, for shard in range(tp // factor), for pp_rank
+    assert the_plan.groups[1].lookup_namespaces == (
+        "DeepSeek-V2-Lite@tp_rank:0@pcp0@dcp0@pp_rank:0@group:1",
+        "DeepSeek-V2-Lite@tp_rank:0@pcp0@dcp0@pp_rank:1@group:1",
+        "DeepSeek-V2-Lite@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1",
+        "DeepSeek-V2-Lite@tp_rank:1@pcp0@dcp0@pp_rank:1@group:1",
+        "DeepSeek-V2-Lite@tp_rank:0@pcp1@dcp0@pp_rank:0@group:1",
+        "DeepSeek-V2-Lite@tp_rank:0@pcp1@dcp0@pp_rank:1@group:1",
+        "DeepSeek-V2-Lite@tp_rank:1@pcp1@dcp0@pp_rank:0@group:1",
+        "DeepSeek-V2-Lite@tp_rank:1@pcp1@dcp0@pp_rank:1@group:1",
+    )
+    assert the_plan.groups[0].lookup_namespaces[:2] == (
+        "DeepSeek-V2-Lite@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0",
+        "DeepSeek-V2-Lite@tp_rank:0@pcp0@dcp0@pp_rank:1@group:0",
+    )
+
+
+def test_lookup_under_dcp_needs_every_tp_rank_with_its_dcp_rank():
+    the_plan = compat_plan(dcp_size=2)
+    assert the_plan.groups[0].lookup_namespaces == (
+        "DeepSeek-V2-Lite@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0",
+        "DeepSeek-V2-Lite@tp_rank:1@pcp0@dcp1@pp_rank:0@group:0",
+        "DeepSeek-V2-Lite@tp_rank:2@pcp0@dcp0@pp_rank:0@group:0",
+        "DeepSeek-V2-Lite@tp_rank:3@pcp0@dcp1@pp_rank:0@group:0",
+    )
+
+
+def test_upstream_striped_schedule():
+    the_plan = compat_plan()
+    gqa = the_plan.groups[1]  # group index 1, factor 2: phase (tp_rank + 1) % 2
+    assert [gqa.writers(chunk) for chunk in range(4)] == [(1, 3), (0, 2), (1, 3), (0, 2)]
+    mla_group = the_plan.groups[0]  # group 0, factor 4: chunk i written by the rank whose phase is i % 4
+    assert [mla_group.writers(chunk) for chunk in range(5)] == [(0,), (1,), (2,), (3,), (0,)]
+
+
+def test_default_keys_carry_the_plan_fingerprint():
+    the_plan = plan(DEFAULT, layout(mla(), heads=1), Topology(tp_size=2))
+    assert the_plan.key_prefix(0, 1) == (
+        f"DeepSeek-V2-Lite@plan:{the_plan.fingerprint}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0"
+    )
+
+
+# --- the fingerprint --------------------------------------------------------------------------
+
+BASE_POLICY = """\
+    version: 1
+    kind: ReplicationPolicy
+    name: base
+    rules:
+      - name: mla
+        reason: r
+        match:
+          spec: MLAAttentionSpec
+        replication: replicated
+      - name: rest
+        reason: r
+        replication: sharded
+"""
+
+
+def fingerprint_of(text=BASE_POLICY, the_layout=None, **topology):
+    the_layout = the_layout or layout(mla(), full(), heads=4)
+    return plan(policy(text), the_layout, Topology(**{"tp_size": 4, **topology})).fingerprint
+
+
+def test_fingerprint_is_deterministic():
+    assert fingerprint_of() == fingerprint_of()
+
+
+def test_fingerprint_changes_with_a_factor():
+    changed = BASE_POLICY.replace("replication: replicated", "factor: 2")
+    assert fingerprint_of(changed) != fingerprint_of()
+
+
+def test_fingerprint_changes_with_the_schedule():
+    assert fingerprint_of(BASE_POLICY + "    schedule: leader\n") != fingerprint_of()
+
+
+def test_fingerprint_changes_with_the_key_template():
+    template = "{model}@v2@tp_rank:{shard}@pcp{pcp_rank}@dcp{dcp_rank}@pp_rank:{pp_rank}@group:{group}"
+    assert fingerprint_of(BASE_POLICY + f'    key:\n      template: "{template}"\n') != fingerprint_of()
+
+
+def test_fingerprint_changes_with_a_spec_field():
+    assert fingerprint_of(the_layout=layout(mla(), full(dtype="float16"), heads=4)) != fingerprint_of(
+        the_layout=layout(mla(), full(dtype="bfloat16"), heads=4)
+    )
+
+
+def test_fingerprint_changes_with_the_page_size():
+    assert fingerprint_of(the_layout=layout(mla(page_size_bytes=1), heads=4)) != fingerprint_of(
+        the_layout=layout(mla(), heads=4)
+    )
+
+
+def test_fingerprint_changes_with_the_tp_size():
+    assert fingerprint_of(tp_size=2) != fingerprint_of(tp_size=4)
+
+
+def test_fingerprint_ignores_policy_and_rule_names_reasons_and_descriptions():
+    renamed = (
+        BASE_POLICY.replace("name: base", "name: renamed\n    description: same plan, other words")
+        .replace("name: mla", "name: latent")
+        .replace("name: rest", "name: everything-else")
+        .replace("reason: r", "reason: another reason")
+    )
+    assert fingerprint_of(renamed) == fingerprint_of()
+
+
+def test_fingerprint_ignores_how_the_same_factor_is_spelled():
+    spelled = BASE_POLICY.replace("replication: replicated", "factor: tp_size").replace(
+        "replication: sharded", "shards: tp_size"
+    )
+    assert fingerprint_of(spelled) == fingerprint_of()
+
+
+# --- refusals ----------------------------------------------------------------------------------
+
+
+def refusal(text, the_layout, **topology) -> str:
+    with pytest.raises(PlanError) as caught:
+        plan(policy(text), the_layout, Topology(**{"tp_size": 4, **topology}))
+    return str(caught.value)
+
+
+ONE_RULE = """\
+    version: 1
+    kind: ReplicationPolicy
+    name: one-rule
+    rules:
+      - name: the-rule
+        reason: r
+        {outcome}
+"""
+
+
+@pytest.mark.parametrize("outcome", ["factor: 3", "factor: tp_size + 1", "shards: 3"])
+def test_factor_that_does_not_divide_tp_is_refused(outcome):
+    message = refusal(ONE_RULE.format(outcome=outcome), layout(mamba(), full(), heads=1))
+    assert "group 0" in message and "'the-rule'" in message
+    assert "divisor" in message
+
+
+@pytest.mark.parametrize("outcome", ["factor: 0", "factor: tp_size - 5", "shards: 0"])
+def test_factor_below_one_is_refused(outcome):
+    message = refusal(ONE_RULE.format(outcome=outcome), layout(full(), heads=1))
+    assert "group 0" in message and "'the-rule'" in message
+
+
+def test_non_integer_factor_is_refused():
+    message = refusal(ONE_RULE.format(outcome="factor: tp_size > 1"), layout(full(), heads=1))
+    assert "'the-rule'" in message and "not an integer" in message
+
+
+def test_expression_error_is_refused_naming_group_and_rule():
+    message = refusal(ONE_RULE.format(outcome="factor: tp_size // (dcp_size - 1)"), layout(mamba(), full(), heads=1))
+    assert "group 0" in message and "'the-rule'" in message
+    assert "division by zero" in message
+
+
+def test_when_reading_a_field_the_spec_lacks_is_refused():
+    text = ONE_RULE.format(outcome="when: max_tp_shards is None\n        replication: sharded")
+    message = refusal(text, layout(mamba(), heads=1))
+    assert "group 0" in message and "'the-rule'" in message and "max_tp_shards" in message
+
+
+def test_error_names_the_later_group_that_fails():
+    text = BASE_POLICY.replace("replication: sharded", "factor: max_tp_shards")  # Mamba has no max_tp_shards
+    message = refusal(text, layout(mla(), full(max_tp_shards=1), mamba(), heads=1))
+    assert "group 2" in message and "'rest'" in message
+
+
+STRICT = """\
+    version: 1
+    kind: ReplicationPolicy
+    name: strict
+    strict: true
+    rules:
+      - name: mamba
+        reason: r
+        match:
+          spec: MambaSpec
+        replication: sharded
+"""
+
+
+def test_strict_policy_refuses_an_unmatched_spec():
+    message = refusal(STRICT, layout(mamba(), full(), heads=1))
+    assert "group 1" in message and "FullAttentionSpec" in message and "strict" in message
+
+
+def test_strict_policy_plans_a_layout_it_covers():
+    assert plan(policy(STRICT), layout(mamba(), heads=1), Topology(tp_size=4)).factors == (1,)
+
+
+def test_non_strict_policy_applies_unmatched():
+    replicated = STRICT.replace("strict: true", "unmatched: replicated")
+    assert plan(policy(replicated), layout(mamba(), full(), heads=1), Topology(tp_size=4)).factors == (1, 4)
+
+
+def test_factor_above_one_under_dcp_is_refused():
+    text = ONE_RULE.format(outcome="replication: replicated")
+    message = refusal(text, layout(mamba(), heads=1), dcp_size=2)
+    assert "group 0" in message and "'the-rule'" in message and "dcp_size" in message
+
+
+# --- demotion (the audit's fallback) ------------------------------------------------------------
+
+
+def test_demoted_group_gets_factor_one_and_the_others_keep_theirs():
+    the_layout = layout(mla(), full(), mamba(), heads=2)
+    demoted = plan(VLLM_COMPAT, the_layout, Topology(tp_size=4), demoted=[0])
+    assert demoted.factors == (1, 2, 1)
+    assert demoted.groups[0].demoted and not demoted.groups[1].demoted
+    assert demoted.key_prefix(0, 3) == "DeepSeek-V2-Lite@tp_rank:3@pcp0@dcp0@pp_rank:0@group:0"
+
+
+def test_demotion_changes_the_fingerprint():
+    the_layout = layout(mla(), full(), mamba(), heads=2)
+    assert (
+        plan(DEFAULT, the_layout, Topology(tp_size=4), demoted=[0]).fingerprint
+        != plan(DEFAULT, the_layout, Topology(tp_size=4)).fingerprint
+    )
+
+
+def test_demotion_lifts_the_dcp_refusal():
+    text = ONE_RULE.format(outcome="replication: replicated")
+    the_plan = plan(policy(text), layout(mla(), heads=1), Topology(tp_size=4, dcp_size=2), demoted=[0])
+    assert the_plan.factors == (1,)
+
+
+# --- what the plan reports ----------------------------------------------------------------------
+
+
+def test_plan_reports_the_rule_and_its_origin_for_each_layer():
+    the_plan = plan(VLLM_COMPAT, layout(mla(), full(), mamba(), heads=2), Topology(tp_size=4))
+    assert [group.rules for group in the_plan.groups] == [("mla-latent",), ("kv-heads",), ("mamba-state",)]
+    lines = (policies_dir() / "vllm-compat.yaml").read_text().splitlines()
+    line = next(number for number, text in enumerate(lines, 1) if text.strip() == "- name: mla-latent")
+    assert the_plan.groups[0].origins == (f"{policies_dir() / 'vllm-compat.yaml'}:{line}",)
+
+
+def test_plan_reports_the_rules_passed_over():
+    the_plan = plan(VLLM_COMPAT, layout(full(), heads=2), Topology(tp_size=4))
+    passed = [name for name, _ in the_plan.groups[0].decisions[0].passed_over]
+    assert passed == ["dcp-token-shards", "mamba-state", "mla-latent"]
+
+
+def test_bytes_written_shrink_by_the_factor():
+    the_layout = layout(mla(page_size_bytes=1000, block_size=10), heads=1)
+    group = plan(VLLM_COMPAT, the_layout, Topology(tp_size=4)).groups[0]
+    per_rank = 2 * 1000 / 10  # two layers, 100 bytes per token each
+    assert group.bytes_per_token_per_rank == per_rank
+    assert group.written_bytes_per_token == per_rank  # one shard, written once
+    assert group.undeduplicated_bytes_per_token == 4 * per_rank
+
+
+def test_all_schedule_writes_every_copy():
+    every = VLLM_COMPAT.model_copy(update={"schedule": Schedule.ALL})
+    group = plan(every, layout(mla(page_size_bytes=1000, block_size=10), heads=1), Topology(tp_size=4)).groups[0]
+    assert group.written_bytes_per_token == group.undeduplicated_bytes_per_token
+
+
+def test_model_basename_is_the_last_path_component():
+    the_plan = plan(VLLM_COMPAT, layout(mamba(), heads=1, model="/srv/models/" + MODEL + "/"), Topology())
+    assert the_plan.key_prefix(0, 0).startswith("DeepSeek-V2-Lite@tp_rank:0")
