@@ -205,7 +205,7 @@ def _group_plan(
         for rank in range(tp_size)
     )
     lookup = tuple(
-        skeleton._prefix(index, shard, shard * factor, pcp_rank, pp_rank)
+        skeleton._prefix(index, shard, shard * factor, pcp_rank, pp_rank, demoted)
         for pcp_rank in range(topology.pcp_size)
         for shard in range(shards)
         for pp_rank in range(topology.pp_size)

@@ -105,11 +105,11 @@ class Plan:
     def key_prefix(self, group: int, tp_rank: int, pcp_rank: int = 0, pp_rank: int = 0) -> str:
         """The namespace ``tp_rank`` reads and writes for ``group``."""
         group_plan = self.groups[group]
-        return self._prefix(group, group_plan.ranks[tp_rank].shard, tp_rank, pcp_rank, pp_rank)
+        return self._prefix(group, group_plan.ranks[tp_rank].shard, tp_rank, pcp_rank, pp_rank, group_plan.demoted)
 
-    def _prefix(self, group: int, shard: int, tp_rank: int, pcp_rank: int, pp_rank: int) -> str:
+    def _prefix(self, group: int, shard: int, tp_rank: int, pcp_rank: int, pp_rank: int, demoted: bool) -> str:
         dcp_size = self.topology.dcp_size
-        return render_prefix(
+        prefix = render_prefix(
             self.key_template,
             self.key_context,
             fingerprint=self.fingerprint,
@@ -120,3 +120,8 @@ class Plan:
             dcp_rank=tp_rank % dcp_size if dcp_size > 1 else 0,
             pp_rank=pp_rank,
         )
+        if demoted and "{fingerprint}" not in self.key_template:
+            # A demoted group's shard ids mean something else than under the declared factor; without the
+            # fingerprint in the template its keys would collide with instances that trust the rule.
+            prefix += f"@demoted:{self.fingerprint}"
+        return prefix
