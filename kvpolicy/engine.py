@@ -136,14 +136,15 @@ def _decide_layer(
     spec = member.spec
     passed_over: list[tuple[str, str]] = []
     for rule_index, rule in enumerate(policy.rules):
-        origin = policy.rule_origin(rule_index)
         try:
             verdict = judge(rule, spec, layer, variables)
         except ExpressionError as error:
+            origin = policy.rule_origin(rule_index)
             raise PlanError(f"{label}, layer {layer}: rule '{rule.name}' ({origin}): {error.message}") from None
         if not verdict.matched:
             passed_over.append((rule.name, verdict.reason))
             continue
+        origin = policy.rule_origin(rule_index)
         factor = _rule_factor(rule, variables, topology, f"{label}, layer {layer}: rule '{rule.name}' ({origin})")
         return LayerDecision(layer, spec.type, rule.name, origin, factor, tuple(passed_over))
     if policy.strict:

@@ -15,7 +15,7 @@ import difflib
 import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 MAX_SOURCE_LENGTH = 1000
 MAX_DEPTH = 32
@@ -85,28 +85,31 @@ class Expression:
         return _parse(self.source)
 
     @cached_property
+    def _compiled(self) -> Compiled:
+        return _compile_source(self.source)
+
+    @cached_property
     def names(self) -> frozenset[str]:
         """Variables the expression reads."""
-        return frozenset(
-            node.id
-            for node in ast.walk(self._tree)
-            if isinstance(node, ast.Name) and node.id not in _FUNCTIONS
-        )
+        return frozenset(name for name, _ in _variables(self.source))
 
     def check_names(self, known: Iterable[str]) -> None:
         """Raise for the first variable that is not in ``known``, with a did-you-mean."""
         known = frozenset(known)
-        for node in ast.walk(self._tree):
-            if isinstance(node, ast.Name) and node.id not in _FUNCTIONS and node.id not in known:
-                raise ExpressionError(
-                    f"unknown variable '{node.id}'{_suggest(node.id, known)}", node.col_offset
-                )
+        for name, column in _variables(self.source):
+            if name not in known:
+                raise ExpressionError(f"unknown variable '{name}'{_suggest(name, known)}", column)
 
     def evaluate(self, variables: Mapping[str, Value]) -> Value:
-        return _Evaluator(variables).visit(self._tree)
+        return self._compiled(variables)
 
 
+@lru_cache(maxsize=4096)
 def _parse(source: str) -> ast.expr:
+    """Parse and check ``source``; cached because layouts repeat the same few expressions per group.
+
+    The returned tree is shared and must not be modified.
+    """
     if len(source) > MAX_SOURCE_LENGTH:
         raise ExpressionError(f"expression is longer than {MAX_SOURCE_LENGTH} characters")
     if "\n" in source.strip():
@@ -186,83 +189,131 @@ def _check_tree(node: ast.AST, depth: int) -> None:
         _check_tree(child, depth + 1)
 
 
-class _Evaluator:
-    def __init__(self, variables: Mapping[str, Value]) -> None:
-        self.variables = variables
+Compiled = Callable[[Mapping[str, Value]], Value]
 
-    def visit(self, node: ast.AST) -> Value:
-        value = self._visit(node)
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-            raise ExpressionError(f"value exceeds {MAX_INT}", getattr(node, "col_offset", 0))
+
+def _compile(node: ast.AST) -> Compiled:
+    """Turn a checked tree into nested closures once, so evaluation costs a few calls, not a tree walk.
+
+    Same whitelist as :func:`_check_tree`; nothing is handed to ``eval`` or ``compile``.
+    """
+    inner = _compile_node(node)
+    column = getattr(node, "col_offset", 0)
+
+    def bounded(variables: Mapping[str, Value]) -> Value:
+        value = inner(variables)
+        if type(value) is int and abs(value) > MAX_INT:
+            raise ExpressionError(f"value exceeds {MAX_INT}", column)
         return value
 
-    def _integer(self, node: ast.expr) -> int:
-        value = self.visit(node)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ExpressionError(
-                f"'{ast.unparse(node)}' is {_describe(value)}, expected an integer", node.col_offset
-            )
+    return bounded
+
+
+def _integer(node: ast.expr) -> Callable[[Mapping[str, Value]], int]:
+    compiled = _compile(node)
+    text = ast.unparse(node)
+
+    def integer(variables: Mapping[str, Value]) -> int:
+        value = compiled(variables)
+        if type(value) is not int:
+            raise ExpressionError(f"'{text}' is {_describe(value)}, expected an integer", node.col_offset)
         return value
 
-    def _visit(self, node: ast.AST) -> Value:
-        match node:
-            case ast.Constant(value=value):
-                return value
-            case ast.Name(id=name):
-                if name not in self.variables:
-                    raise ExpressionError(
-                        f"unknown variable '{name}'{_suggest(name, self.variables)}", node.col_offset
-                    )
-                return self.variables[name]
-            case ast.BinOp(left=left, op=op, right=right):
-                lhs, rhs = self._integer(left), self._integer(right)
-                if isinstance(op, (ast.FloorDiv, ast.Mod)) and rhs == 0:
-                    raise ExpressionError(f"division by zero in '{ast.unparse(node)}'", node.col_offset)
-                return _BINARY[type(op)](lhs, rhs)
-            case ast.UnaryOp(op=ast.Not(), operand=operand):
-                return not self.visit(operand)
-            case ast.UnaryOp(op=op, operand=operand):
-                value = self._integer(operand)
-                return -value if isinstance(op, ast.USub) else value
-            case ast.BoolOp(op=ast.And(), values=values):
-                result: Value = True
-                for value_node in values:
-                    result = self.visit(value_node)
-                    if not result:
+    return integer
+
+
+def _compile_node(node: ast.AST) -> Compiled:
+    column = getattr(node, "col_offset", 0)
+    match node:
+        case ast.Constant(value=value):
+            return lambda variables: value
+        case ast.Name(id=name):
+
+            def variable(variables: Mapping[str, Value]) -> Value:
+                try:
+                    return variables[name]
+                except KeyError:
+                    raise ExpressionError(f"unknown variable '{name}'{_suggest(name, variables)}", column) from None
+
+            return variable
+        case ast.BinOp(left=left, op=op, right=right):
+            lhs, rhs, apply = _integer(left), _integer(right), _BINARY[type(op)]
+            divides = isinstance(op, (ast.FloorDiv, ast.Mod))
+            text = ast.unparse(node)
+
+            def binary(variables: Mapping[str, Value]) -> Value:
+                a, b = lhs(variables), rhs(variables)
+                if divides and b == 0:
+                    raise ExpressionError(f"division by zero in '{text}'", column)
+                return apply(a, b)
+
+            return binary
+        case ast.UnaryOp(op=ast.Not(), operand=operand):
+            compiled = _compile(operand)
+            return lambda variables: not compiled(variables)
+        case ast.UnaryOp(op=op, operand=operand):
+            integer = _integer(operand)
+            if isinstance(op, ast.USub):
+                return lambda variables: -integer(variables)
+            return integer
+        case ast.BoolOp(op=op, values=values):
+            parts = [_compile(value) for value in values]
+            conjunction = isinstance(op, ast.And)
+
+            def boolean(variables: Mapping[str, Value]) -> Value:
+                result: Value = conjunction
+                for part in parts:
+                    result = part(variables)
+                    if bool(result) is not conjunction:
                         return result
                 return result
-            case ast.BoolOp(values=values):
-                result = False
-                for value_node in values:
-                    result = self.visit(value_node)
-                    if result:
-                        return result
-                return result
-            case ast.IfExp(test=test, body=body, orelse=orelse):
-                return self.visit(body) if self.visit(test) else self.visit(orelse)
-            case ast.Compare(left=left, ops=ops, comparators=comparators):
-                lhs = self.visit(left)
-                for op, right in zip(ops, comparators, strict=True):
-                    rhs = self.visit(right)
-                    if type(op) not in (ast.Eq, ast.NotEq, ast.Is, ast.IsNot) and (lhs is None or rhs is None):
-                        raise ExpressionError(
-                            f"cannot order-compare None in '{ast.unparse(node)}'; test 'is None' first",
-                            node.col_offset,
-                        )
+
+            return boolean
+        case ast.IfExp(test=test, body=body, orelse=orelse):
+            condition, then, otherwise = _compile(test), _compile(body), _compile(orelse)
+            return lambda variables: then(variables) if condition(variables) else otherwise(variables)
+        case ast.Compare(left=left, ops=ops, comparators=comparators):
+            first = _compile(left)
+            steps = [(type(op), _COMPARE[type(op)], _compile(right)) for op, right in zip(ops, comparators, strict=True)]
+            text = ast.unparse(node)
+
+            def compare(variables: Mapping[str, Value]) -> Value:
+                lhs = first(variables)
+                for kind, apply, right in steps:
+                    rhs = right(variables)
+                    if kind not in _EQUALITY and (lhs is None or rhs is None):
+                        raise ExpressionError(f"cannot order-compare None in '{text}'; test 'is None' first", column)
                     try:
-                        holds = _COMPARE[type(op)](lhs, rhs)
+                        holds = apply(lhs, rhs)
                     except TypeError:
                         raise ExpressionError(
-                            f"cannot compare {_describe(lhs)} with {_describe(rhs)} in '{ast.unparse(node)}'",
-                            node.col_offset,
+                            f"cannot compare {_describe(lhs)} with {_describe(rhs)} in '{text}'", column
                         ) from None
                     if not holds:
                         return False
                     lhs = rhs
                 return True
-            case ast.Call(func=ast.Name(id=name), args=args):
-                return _FUNCTIONS[name](self._integer(arg) for arg in args)
-        raise ExpressionError(f"{type(node).__name__} is not allowed", getattr(node, "col_offset", 0))
+
+            return compare
+        case ast.Call(func=ast.Name(id=name), args=args):
+            function, arguments = _FUNCTIONS[name], [_integer(arg) for arg in args]
+            return lambda variables: function(argument(variables) for argument in arguments)
+    raise ExpressionError(f"{type(node).__name__} is not allowed", column)
+
+
+_EQUALITY = (ast.Eq, ast.NotEq, ast.Is, ast.IsNot)
+
+
+@lru_cache(maxsize=4096)
+def _variables(source: str) -> tuple[tuple[str, int], ...]:
+    """(name, column) of every variable read, in source order."""
+    nodes = [node for node in ast.walk(_parse(source)) if isinstance(node, ast.Name) and node.id not in _FUNCTIONS]
+    return tuple((node.id, node.col_offset) for node in sorted(nodes, key=lambda node: node.col_offset))
+
+
+@lru_cache(maxsize=4096)
+def _compile_source(source: str) -> Compiled:
+    return _compile(_parse(source))
 
 
 def _describe(value: Value) -> str:

@@ -96,6 +96,9 @@ class _Builder:
             return result
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, (*path, index)) for index, item in enumerate(node.value)]
+        construct = self.constructor.yaml_constructors.get(node.tag)
+        if construct is not None:  # the common case, without construct_object's recursion bookkeeping
+            return construct(self.constructor, node)
         return self.constructor.construct_object(node, deep=True)
 
     def _scalar_key(self, node: yaml.Node) -> Any:

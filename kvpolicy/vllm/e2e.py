@@ -73,6 +73,8 @@ class EngineResult:
     """Seconds spent in ``LLM.generate``."""
     wall_s: float
     """Seconds from spawning the child to its exit."""
+    saves_drained: bool = True
+    """Whether the child saw the connector finish its store jobs before it exited."""
     stdout: str = field(default="", repr=False)
     stderr: str = field(default="", repr=False)
 
@@ -238,10 +240,13 @@ def serve_once(
     """Serve *prompt_token_ids* once in a fresh vLLM engine process and return what it produced.
 
     Greedy sampling, ``enforce_eager``, prefix caching off (so ``num_cached_tokens`` counts only
-    tokens loaded through the connector), EOS ignored (always *max_tokens* tokens). TP=1 runs the
-    engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); TP>1 uses the ``mp`` executor with
-    one core bound per rank. Raises :class:`EngineFailed` with the tail of the child's output when
-    it fails, and kills its process group when it runs past *timeout* seconds.
+    tokens loaded through the connector), EOS ignored (always *max_tokens* tokens). The engine core
+    runs in the child (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); TP>1 adds the ``mp`` executor's
+    worker processes, one core bound per rank. The child steps the engine until the connector's
+    puts are done before it reports, so a following call can hit on them.
+
+    Raises :class:`EngineFailed` (with the child's stdout and stderr, and the tail of stderr in the
+    message) when the child fails, and kills its process group when it runs past *timeout* seconds.
     """
     if tp_size < 1:
         raise ValueError("tp_size must be at least 1")
@@ -266,9 +271,10 @@ def serve_once(
         "DO_NOT_TRACK": "1",
         "PYTHONUNBUFFERED": "1",
     }
-    if tp_size == 1:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    else:
+    # The engine core runs in the child itself (also at TP>1, where the mp executor still forks
+    # one worker per rank): one process fewer to start, and the child can drain the connector.
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if tp_size > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(tp_size))
     env.update(extra_env or {})
 
@@ -323,6 +329,7 @@ def serve_once(
         startup_s=float(data["startup_s"]),
         generate_s=float(data["generate_s"]),
         wall_s=wall,
+        saves_drained=bool(data.get("saves_drained", False)),
         stdout=stdout,
         stderr=stderr,
     )
@@ -378,13 +385,39 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
             "prompt_len": len(spec["prompt_token_ids"]),
             "startup_s": startup,
             "generate_s": generate,
+            "saves_drained": _drain_saves(llm, float(spec.get("drain_timeout", 60.0))),
         }
-    finally:
-        # Shut the engine down here: the store connector's close() drains in-flight puts.
-        engine_core = getattr(llm.llm_engine, "engine_core", None)
-        if engine_core is not None:
-            with contextlib.suppress(Exception):
-                engine_core.shutdown()
+    except BaseException:
+        _shutdown(llm)
+        raise
+
+
+def _drain_saves(llm: Any, timeout: float) -> bool:
+    """Step the engine until the connector's store jobs have completed; False on timeout.
+
+    ``LLM.generate`` returns when the request has finished, while the connector may still be
+    writing its blocks; the scheduler keeps ``has_requests()`` true until the workers report
+    those puts done. Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+    """
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    if scheduler is None:
+        _shutdown(llm)  # the store connector's close() waits (up to 5 s) for in-flight puts
+        return False
+    deadline = time.monotonic() + timeout
+    while scheduler.has_requests():
+        if time.monotonic() > deadline:
+            return False
+        llm.llm_engine.step()
+        time.sleep(0.005)
+    return True
+
+
+def _shutdown(llm: Any) -> None:
+    engine_core = getattr(llm.llm_engine, "engine_core", None)
+    if engine_core is not None:
+        with contextlib.suppress(Exception):
+            engine_core.shutdown()
 
 
 def _main(argv: Sequence[str]) -> int:
@@ -395,8 +428,10 @@ def _main(argv: Sequence[str]) -> int:
     result = _run_engine(spec)
     sys.stdout.flush()
     print(RESULT_MARKER + json.dumps(result), flush=True)
-    return 0
-
+    sys.stderr.flush()
+    # The result is out and the store jobs are done: skip vLLM's teardown (a 5 s grace period per
+    # worker at TP>1). The parent kills this process group, workers included, once this exits.
+    os._exit(0)
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))

@@ -367,7 +367,19 @@ def test_demoted_group_gets_factor_one_and_the_others_keep_theirs():
     demoted = plan(VLLM_COMPAT, the_layout, Topology(tp_size=4), demoted=[0])
     assert demoted.factors == (1, 2, 1)
     assert demoted.groups[0].demoted and not demoted.groups[1].demoted
-    assert demoted.key_prefix(0, 3) == "DeepSeek-V2-Lite@tp_rank:3@pcp0@dcp0@pp_rank:0@group:0"
+    # every rank its own shard; with no {fingerprint} in the template the namespace is marked as demoted,
+    # so it cannot collide with instances that trust the rule
+    assert demoted.key_prefix(0, 3) == (
+        f"DeepSeek-V2-Lite@tp_rank:3@pcp0@dcp0@pp_rank:0@group:0@demoted:{demoted.fingerprint}"
+    )
+    assert demoted.key_prefix(1, 3) == "DeepSeek-V2-Lite@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1"
+
+
+def test_demoted_group_under_a_fingerprinted_template_needs_no_marker():
+    demoted = plan(DEFAULT, layout(mla(), heads=1), Topology(tp_size=2), demoted=[0])
+    assert demoted.key_prefix(0, 1) == (
+        f"DeepSeek-V2-Lite@plan:{demoted.fingerprint}@tp_rank:1@pcp0@dcp0@pp_rank:0@group:0"
+    )
 
 
 def test_demotion_changes_the_fingerprint():

@@ -1,0 +1,144 @@
+"""Invariants of every plan: random layouts × topologies × the shipped policies × the three schedules."""
+
+from __future__ import annotations
+
+from core_support import layout, spec, upstream_factor
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpolicy.catalog import SPEC_CLASSES
+from kvpolicy.engine import plan
+from kvpolicy.loader import load_policy
+from kvpolicy.models import Schedule, Topology
+
+POLICIES = {name: load_policy(name) for name in ("default", "no-dedup", "vllm-compat")}
+MEMBER_CLASSES = sorted(name for name in SPEC_CLASSES if name != "UniformTypeKVCacheSpecs")
+POWERS_OF_TWO = [1, 2, 4, 8, 16, 32]
+
+
+def is_attention(name: str) -> bool:
+    return name == "AttentionSpec" or "AttentionSpec" in SPEC_CLASSES[name]
+
+
+@st.composite
+def specs(draw):
+    name = draw(st.sampled_from(MEMBER_CLASSES))
+    fields = {}
+    if is_attention(name):
+        # vLLM always states max_tp_shards on attention specs (None unless the backend declares it)
+        fields["max_tp_shards"] = draw(st.sampled_from([None, *POWERS_OF_TWO]))
+    if name == "MambaSpec":
+        fields["tp_replicated"] = draw(st.booleans())
+    return spec(name, page_size_bytes=draw(st.sampled_from([512, 4096, "4096 // tp_size + 1"])), **fields)
+
+
+groups = st.one_of(specs(), st.lists(specs(), min_size=1, max_size=3))
+layouts = st.builds(
+    lambda groups_, heads: layout(*groups_, heads=heads),
+    st.lists(groups, min_size=1, max_size=6),
+    st.sampled_from(POWERS_OF_TWO),
+)
+
+
+@st.composite
+def topologies(draw):
+    tp = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    dcp = draw(st.sampled_from([1, 1, 1, 2])) if tp % 2 == 0 else 1
+    return Topology(tp_size=tp, pp_size=draw(st.sampled_from([1, 2])), pcp_size=draw(st.sampled_from([1, 2])),
+                    dcp_size=dcp)
+
+
+policies = st.builds(
+    lambda name, schedule: POLICIES[name].model_copy(update={"schedule": schedule}),
+    st.sampled_from(sorted(POLICIES)),
+    st.sampled_from(list(Schedule)),
+)
+
+SETTINGS = settings(max_examples=200, deadline=None)
+
+
+def chunks(factor: int) -> range:
+    return range(2 * factor + 1)  # every phase, twice, and one more
+
+
+@SETTINGS
+@given(layouts, topologies(), policies, st.sets(st.integers(0, 5), max_size=2))
+def test_replica_sets_are_consecutive_ranks_that_tile_tp_and_share_one_shard(the_layout, topology, policy, demoted):
+    the_plan = plan(policy, the_layout, topology, demoted=demoted)
+    tp = topology.tp_size
+    for group in the_plan.groups:
+        f = group.factor
+        assert f >= 1 and tp % f == 0
+        if group.index in demoted:
+            assert f == 1 and group.demoted
+        assert group.shards * f == tp
+        for rank in group.ranks:
+            first = rank.tp_rank - rank.tp_rank % f
+            assert rank.replica_set == tuple(range(first, first + f))
+        prefixes = [the_plan.key_prefix(group.index, rank) for rank in range(tp)]
+        for a in range(tp):
+            for b in range(tp):
+                same_set = a // f == b // f
+                assert (group.ranks[a].shard == group.ranks[b].shard) is same_set
+                assert (prefixes[a] == prefixes[b]) is same_set
+
+
+@SETTINGS
+@given(layouts, topologies(), policies)
+def test_schedule_decides_who_writes_each_chunk(the_layout, topology, policy):
+    the_plan = plan(policy, the_layout, topology)
+    tp = topology.tp_size
+    for group in the_plan.groups:
+        f = group.factor
+        for chunk in chunks(f):
+            writers = set(group.writers(chunk))
+            if policy.schedule is Schedule.STRIPED:
+                # each (group, shard, chunk) is written by exactly one member of the shard's replica set
+                for shard in range(tp // f):
+                    assert len(writers & set(range(shard * f, shard * f + f))) == 1, (group.index, shard, chunk)
+            elif policy.schedule is Schedule.LEADER:
+                assert writers == {shard * f for shard in range(tp // f)}
+            else:
+                assert writers == set(range(tp))
+        if policy.schedule is Schedule.STRIPED:
+            # and over f consecutive chunks every member of a set takes its turn once
+            written = sorted(w for chunk in range(f) for w in group.writers(chunk))
+            assert written == list(range(tp))
+
+
+@SETTINGS
+@given(layouts, topologies(), policies, st.sets(st.integers(0, 5), max_size=2))
+def test_lookup_set_is_exactly_the_namespaces_writers_use(the_layout, topology, policy, demoted):
+    the_plan = plan(policy, the_layout, topology, demoted=demoted)
+    for group in the_plan.groups:
+        written = {
+            the_plan.key_prefix(group.index, rank, pcp_rank, pp_rank)
+            for chunk in chunks(group.factor)
+            for rank in group.writers(chunk)
+            for pcp_rank in range(topology.pcp_size)
+            for pp_rank in range(topology.pp_size)
+        }
+        assert set(group.lookup_namespaces) == written
+        assert len(group.lookup_namespaces) == group.shards * topology.pcp_size * topology.pp_size
+    # and no two groups share a namespace
+    every = [prefix for group in the_plan.groups for prefix in group.lookup_namespaces]
+    assert len(every) == len(set(every))
+
+
+@SETTINGS
+@given(layouts, topologies())
+def test_vllm_compat_reproduces_upstream_factors(the_layout, topology):
+    expected = tuple(
+        upstream_factor(group, tp_size=topology.tp_size, dcp_size=topology.dcp_size,
+                        total_num_kv_heads=the_layout.total_num_kv_heads)
+        for group in the_layout.groups
+    )
+    assert plan(POLICIES["vllm-compat"], the_layout, topology).factors == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(layouts, topologies(), policies)
+def test_decode_context_parallelism_and_no_dedup_always_give_factor_one(the_layout, topology, policy):
+    factors = set(plan(policy, the_layout, topology).factors)
+    if topology.dcp_size > 1 or policy.name == "no-dedup":
+        assert factors == {1}
