@@ -41,9 +41,10 @@ import dataclasses
 import hashlib
 import math
 import queue
+import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +104,7 @@ __all__ = [
     "BLOCK_SIZE",
     "ClientPool",
     "GroupOutcome",
+    "archetype_description",
     "HarnessReport",
     "run_consistency",
 ]
@@ -284,10 +286,14 @@ class _RecordingStore:
             self.registered.append(address)
         return code
 
-    def batch_put_from_multi_buffers(self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]], *args: Any) -> Any:
+    def batch_put_from_multi_buffers(
+        self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]], *args: Any
+    ) -> Any:
         results = self._client.batch_put_from_multi_buffers(keys, addrs, sizes, *args)
         with self._lock:
-            self.puts.extend((key, sum(size), int(code)) for key, size, code in zip(keys, sizes, results, strict=True))
+            self.puts.extend(
+                (key, sum(size), int(code)) for key, size, code in zip(keys, sizes, results, strict=True)
+            )
         return results
 
     def unregister_all(self) -> None:
@@ -335,7 +341,11 @@ def _gqa(total_heads: Callable[[int], int], *, head_size: int = 64, sliding_wind
         heads = _heads_per_rank(total_heads(tp_size), tp_size)
         if sliding_window is not None:
             return SlidingWindowSpec(
-                block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=head_size, dtype=_BF16, sliding_window=sliding_window
+                block_size=BLOCK_SIZE,
+                num_kv_heads=heads,
+                head_size=head_size,
+                dtype=_BF16,
+                sliding_window=sliding_window,
             )
         return FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=head_size, dtype=_BF16)
 
@@ -357,7 +367,9 @@ def _kda(num_heads: int = 4, head_dim: int = 16, conv_kernel: int = 4) -> _Layer
     return _LayerKind(
         lambda tp_size: MambaSpec(
             block_size=BLOCK_SIZE,
-            shapes=MambaStateShapeCalculator.kda_state_shape(tp_size, num_heads, head_dim, conv_kernel_size=conv_kernel),
+            shapes=MambaStateShapeCalculator.kda_state_shape(
+                tp_size, num_heads, head_dim, conv_kernel_size=conv_kernel
+            ),
             dtypes=MambaStateDtypeCalculator.kda_state_dtype(_BF16, "auto"),
             mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
             mamba_cache_mode="align",
@@ -366,7 +378,10 @@ def _kda(num_heads: int = 4, head_dim: int = 16, conv_kernel: int = 4) -> _Layer
     )
 
 
-def _mamba2(intermediate: int = 128, n_groups: int = 2, num_heads: int = 4, head_dim: int = 32, state: int = 16) -> _LayerKind:
+def _mamba2(
+    intermediate: int = 128, n_groups: int = 2, num_heads: int = 4, head_dim: int = 32, state: int = 16
+) -> _LayerKind:
+    # Mamba2 SSM + conv state, shaped like MambaMixer2.get_kv_cache_spec.
     return _LayerKind(
         lambda tp_size: MambaSpec(
             block_size=BLOCK_SIZE,
@@ -504,6 +519,23 @@ class _StopThread:
         raise SystemExit
 
 
+def _ignore_system_exit(thread: threading.Thread) -> None:
+    """Keep a thread's ``SystemExit`` away from ``threading.excepthook``.
+
+    The default hook ignores it, but hooks that collect thread exceptions (pytest's) report it. CPython
+    routes a thread's exception through its ``_invoke_excepthook``; other exceptions still go there.
+    """
+    invoke = getattr(thread, "_invoke_excepthook", None)
+    if invoke is None:
+        return
+
+    def invoke_unless_exit(failed: threading.Thread) -> None:
+        if not isinstance(sys.exc_info()[1], SystemExit):
+            invoke(failed)
+
+    thread._invoke_excepthook = invoke_unless_exit  # type: ignore[attr-defined]
+
+
 def _rank_worker(
     model: _Model,
     plan: Plan,
@@ -629,6 +661,7 @@ def _stop_rank(rank: _Rank) -> None:
     worker = rank.worker
     threads = [thread for thread in (worker.kv_send_thread, *worker.kv_recv_threads) if thread is not None]
     for thread in threads:
+        _ignore_system_exit(thread)
         thread.request_queue.put(_StopThread())
     for thread in threads:
         thread.join(timeout=5.0)
@@ -790,7 +823,12 @@ def _load_meta(
         num_saved_tokens=0,
     )
     meta = ReqMeta.from_request_tracker(
-        tracker, model.block_size, load_spec=load_spec, skip_save=None, block_hashes=hashes, num_prompt_tokens=num_tokens
+        tracker,
+        model.block_size,
+        load_spec=load_spec,
+        skip_save=None,
+        block_hashes=hashes,
+        num_prompt_tokens=num_tokens,
     )
     assert meta is not None and meta.load_spec is not None
     metadata = MooncakeStoreConnectorMetadata(unfinished_request_ids={req_id}, preempted_req_ids=set())
@@ -915,7 +953,9 @@ def _run(
 
         # A new instance: its own clients and zeroed KV tensors.
         warm = [_start_rank(model, plan, rank, client) for rank, client in enumerate(leased[tp_size:])]
-        lookup = MooncakeStoreWorker.lookup(warm[0].worker, num_tokens, hashes)
+        # vLLM's lookup (LookupKeyServer calls it on worker rank 0): every namespace of the plan's
+        # lookup set must hold a chunk, then the coordinator takes the longest prefix all groups hit.
+        lookup = warm[0].worker.lookup(num_tokens, hashes)
         hit_tokens = lookup.hit_length
         warm_tables = _block_tables(model, num_tokens, seed=seed, salt=f"{run_id}/warm", mamba_nulls=False)
         failed: list[int] = []
@@ -1031,7 +1071,9 @@ def _compare(
     return outcomes
 
 
-def iter_archetypes() -> Iterator[tuple[str, str]]:
-    """(name, description) of every archetype."""
-    for name in ARCHETYPES:
-        yield name, _ARCHETYPES[name].description
+def archetype_description(archetype: str) -> str:
+    """One line on what an archetype models."""
+    try:
+        return _ARCHETYPES[archetype].description
+    except KeyError:
+        raise ValueError(f"unknown archetype {archetype!r}; known: {', '.join(ARCHETYPES)}") from None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ except ImportError:
 
 import torch
 import vllm.v1.kv_cache_interface as kv_cache_interface
+from vllm.config import CacheConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     ChunkedTokenDatabase,
     KeyMetadata,
@@ -50,7 +51,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvpolicy.engine import plan as make_plan
-from kvpolicy.keys import KeyContext, chunk_key, model_basename
+from kvpolicy.keys import KeyContext, chunk_key
 from kvpolicy.loader import load_policy
 from kvpolicy.models import Policy, Schedule, Topology
 from kvpolicy.plan import Plan
@@ -63,10 +64,9 @@ MODEL = "org/Tiny-Model"
 HASH = BlockHash(bytes(range(32)))
 COMPAT = load_policy("vllm-compat")
 DEFAULT = load_policy("default")
-KEY_CONTEXTS = {
-    "plain": ("", ""),
-    "prefixed": ("tenant-a", "@store_pp:1@store_format:tp_shared_mqa"),
-}
+PLAIN = KeyContext.for_model(MODEL)
+PREFIXED = KeyContext.for_model(MODEL, "tenant-a", "@store_pp:1@store_format:tp_shared_mqa")
+KEY_CONTEXTS = {"plain": PLAIN, "prefixed": PREFIXED}
 
 # Values for the fields a spec class requires (no default). A class needing a field missing here
 # fails collection with its name, so a new vLLM spec class cannot go unnoticed.
@@ -177,6 +177,10 @@ def uniform(*specs: KVCacheSpec) -> UniformTypeKVCacheSpecs:
 # --- cases --------------------------------------------------------------------------------------
 
 
+Rank = tuple[int, int, int]
+"""(tp_rank, pcp_rank, pp_rank)"""
+
+
 @dataclass(frozen=True)
 class Case:
     """One model (one spec per prefix-cacheable group) on one topology."""
@@ -192,7 +196,7 @@ class Case:
     def topology(self) -> Topology:
         return Topology(tp_size=self.tp, pp_size=self.pp, pcp_size=self.pcp, dcp_size=self.dcp)
 
-    def ranks(self) -> Iterator[tuple[int, int, int]]:
+    def ranks(self) -> Iterator[Rank]:
         """(tp_rank, pcp_rank, pp_rank) of every worker."""
         for pcp_rank in range(self.pcp):
             for pp_rank in range(self.pp):
@@ -213,16 +217,18 @@ MIXES: dict[str, tuple[KVCacheSpec, ...]] = {
 }
 
 TP_HEADS = [(tp, heads) for tp in (1, 2, 4, 8) for heads in (1, 2, 3, 8)]
-PARALLEL = {"tp2-dcp2": dict(tp=2, dcp=2), "tp4-dcp2": dict(tp=4, dcp=2), "tp8-dcp4": dict(tp=8, dcp=4),
-            "tp2-pcp2": dict(tp=2, pcp=2), "tp4-pp2": dict(tp=4, pp=2), "tp2-pcp2-pp2": dict(tp=2, pcp=2, pp=2)}
+PARALLEL: dict[str, dict[str, int]] = {
+    "tp2-dcp2": {"tp": 2, "dcp": 2},
+    "tp4-dcp2": {"tp": 4, "dcp": 2},
+    "tp8-dcp4": {"tp": 8, "dcp": 4},
+    "tp2-pcp2": {"tp": 2, "pcp": 2},
+    "tp4-pp2": {"tp": 4, "pp": 2},
+    "tp2-pcp2-pp2": {"tp": 2, "pcp": 2, "pp": 2},
+}
 
 
 def all_cases() -> Iterator[Any]:
-    singles = {
-        name: (spec,)
-        for cls in ELIGIBLE
-        for name, spec in hint_variants(cls).items()
-    }
+    singles = {name: (spec,) for cls in ELIGIBLE for name, spec in hint_variants(cls).items()}
     singles["PluginStateSpec"] = (PluginStateSpec(block_size=BLOCK),)
     for name, groups in {**singles, **MIXES}.items():
         for tp, heads in TP_HEADS:
@@ -239,34 +245,45 @@ CASES = list(all_cases())
 
 def kv_cache_config(case: Case) -> KVCacheConfig:
     groups = [
-        KVCacheGroupSpec(list(spec.kv_cache_specs) if isinstance(spec, UniformTypeKVCacheSpecs) else [f"l.{index}"], spec)
-        for index, spec in enumerate(case.groups)
+        KVCacheGroupSpec(layer_names(spec, index), spec) for index, spec in enumerate(case.groups)
     ]
     return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def plan_for(policy: Policy, case: Case, cache_prefix: str = "", store_namespace: str = "") -> Plan:
-    layout = layout_from_kv_cache_config(kv_cache_config(case), model=model_basename(MODEL), total_num_kv_heads=case.heads)
-    context = KeyContext.for_model(MODEL, cache_prefix, store_namespace)
+def layer_names(spec: KVCacheSpec, index: int) -> list[str]:
+    return list(spec.kv_cache_specs) if isinstance(spec, UniformTypeKVCacheSpecs) else [f"l.{index}"]
+
+
+def plan_for(policy: Policy, case: Case, context: KeyContext = PLAIN) -> Plan:
+    layout = layout_from_kv_cache_config(kv_cache_config(case), model=context.model, total_num_kv_heads=case.heads)
     return make_plan(policy, layout, case.topology, key_context=context)
 
 
-def metadata_for(case: Case, tp_rank: int, pcp_rank: int, pp_rank: int, cache_prefix: str = "", store_namespace: str = "") -> KeyMetadata:
+def metadata_for(case: Case, rank: Rank, context: KeyContext = PLAIN) -> KeyMetadata:
     """The KeyMetadata MooncakeStoreWorker.__init__ builds on this rank."""
+    tp_rank, pcp_rank, pp_rank = rank
     return KeyMetadata(
-        model_name=model_basename(MODEL),
+        model_name=context.model,
         tp_rank=tp_rank,
         pcp_rank=pcp_rank,
         # vLLM's DCP group subdivides TP: rank_in_group == tp_rank % dcp_size.
         dcp_rank=tp_rank % case.dcp if case.dcp > 1 else 0,
         pp_rank=pp_rank,
-        cache_prefix=cache_prefix,
-        store_namespace=store_namespace,
+        cache_prefix=context.cache_prefix,
+        store_namespace=context.store_namespace,
     )
 
 
-def set_upstream_state(worker: MooncakeStoreWorker, case: Case, tp_rank: int, pcp_rank: int, pp_rank: int) -> None:
+def resolved_cache_config() -> CacheConfig:
+    """A CacheConfig whose KV layout is resolved, as the engine core leaves it before workers start."""
+    config = CacheConfig()
+    config.kv_cache_layout = "LBHNC"
+    return config
+
+
+def set_upstream_state(worker: MooncakeStoreWorker, case: Case, rank: Rank) -> None:
     """The attributes MooncakeStoreWorker.__init__ sets before its override points run."""
+    tp_rank, pcp_rank, pp_rank = rank
     worker.tp_rank, worker.tp_size = tp_rank, case.tp
     worker.pcp_rank, worker.pcp_size = pcp_rank, case.pcp
     worker.dcp_size = case.dcp
@@ -275,6 +292,7 @@ def set_upstream_state(worker: MooncakeStoreWorker, case: Case, tp_rank: int, pc
     worker.num_kv_head = case.heads
     worker.hash_block_size = BLOCK
     worker.store_tp_size = None
+    worker.cache_config = resolved_cache_config()
     config = kv_cache_config(case)
     worker._kv_cache_config = config
     # What MooncakeStoreCoordinator.from_kv_cache_config keeps: prefix-cacheable groups, DCP-resolved.
@@ -291,15 +309,16 @@ def run_override_points(worker: MooncakeStoreWorker, metadata: KeyMetadata) -> N
     worker._init_lookup_key_prefixes()
 
 
-def upstream(case: Case, tp_rank: int = 0, pcp_rank: int = 0, pp_rank: int = 0, cache_prefix: str = "", store_namespace: str = "") -> MooncakeStoreWorker:
+def upstream(case: Case, rank: Rank = (0, 0, 0), context: KeyContext = PLAIN) -> MooncakeStoreWorker:
     """A real MooncakeStoreWorker for one rank, its __init__ replaced by set_upstream_state."""
     worker = object.__new__(MooncakeStoreWorker)
-    set_upstream_state(worker, case, tp_rank, pcp_rank, pp_rank)
-    run_override_points(worker, metadata_for(case, tp_rank, pcp_rank, pp_rank, cache_prefix, store_namespace))
+    set_upstream_state(worker, case, rank)
+    run_override_points(worker, metadata_for(case, rank, context))
     return worker
 
 
-def plan_databases(plan: Plan, case: Case, tp_rank: int, pcp_rank: int, pp_rank: int, cache_prefix: str = "", store_namespace: str = "") -> list[ChunkedTokenDatabase]:
+def plan_databases(plan: Plan, case: Case, rank: Rank, context: KeyContext = PLAIN) -> list[ChunkedTokenDatabase]:
+    tp_rank, pcp_rank, pp_rank = rank
     return store.build_token_databases(
         plan,
         tp_rank=tp_rank,
@@ -307,27 +326,41 @@ def plan_databases(plan: Plan, case: Case, tp_rank: int, pcp_rank: int, pp_rank:
         pp_rank=pp_rank,
         block_sizes=[BLOCK] * len(plan.groups),
         hash_block_sizes=[BLOCK] * len(plan.groups),
-        metadata=metadata_for(case, tp_rank, pcp_rank, pp_rank, cache_prefix, store_namespace),
+        metadata=metadata_for(case, rank, context),
     )
 
 
-def upstream_keys(case: Case, cache_prefix: str = "", store_namespace: str = "") -> list[str]:
+def upstream_keys(case: Case, context: KeyContext = PLAIN) -> list[str]:
     keys = []
-    for tp_rank, pcp_rank, pp_rank in case.ranks():
-        for database in upstream(case, tp_rank, pcp_rank, pp_rank, cache_prefix, store_namespace).token_dbs:
+    for rank in case.ranks():
+        for database in upstream(case, rank, context).token_dbs:
             key = database.key_for(HASH)
             assert key == PoolKey(database.metadata, HASH.hex()).to_string()
             keys.append(key)
     return keys
 
 
-def plan_keys(policy: Policy, case: Case, cache_prefix: str = "", store_namespace: str = "") -> list[str]:
-    plan = plan_for(policy, case, cache_prefix, store_namespace)
-    return [
-        database.key_for(HASH)
-        for tp_rank, pcp_rank, pp_rank in case.ranks()
-        for database in plan_databases(plan, case, tp_rank, pcp_rank, pp_rank, cache_prefix, store_namespace)
-    ]
+def plan_keys(policy: Policy, case: Case, context: KeyContext = PLAIN) -> list[str]:
+    plan = plan_for(policy, case, context)
+    return [database.key_for(HASH) for rank in case.ranks() for database in plan_databases(plan, case, rank, context)]
+
+
+def policy_worker(
+    policy: Policy, case: Case, rank: Rank, cache_prefix: str = "", extra_config: dict[str, Any] | None = None
+) -> KVPolicyStoreWorker:
+    """A real KVPolicyStoreWorker for one rank, built like upstream() plus its own pre-init state."""
+    worker = object.__new__(KVPolicyStoreWorker)
+    set_upstream_state(worker, case, rank)
+    worker._init_policy_state(policy, model=MODEL, cache_prefix=cache_prefix)
+    # Upstream's own selection, through the override, as MooncakeStoreWorker.__init__ calls it.
+    _, store_namespace, _ = worker._select_store_layout(extra_config or {})
+    run_override_points(worker, metadata_for(case, rank, KeyContext.for_model(MODEL, cache_prefix, store_namespace)))
+    return worker
+
+
+def factors(case: Case) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(default, vllm-compat, upstream) factors."""
+    return plan_for(DEFAULT, case).factors, plan_for(COMPAT, case).factors, upstream(case)._group_tp_replication_factors
 
 
 # --- the enumeration itself ---------------------------------------------------------------------
@@ -342,7 +375,7 @@ def test_enumeration_finds_the_spec_classes_vllm_ships() -> None:
     } <= names
 
 
-@pytest.mark.parametrize("cls", spec_class_params())
+@pytest.mark.parametrize("cls", list(spec_class_params()))
 def test_every_eligible_spec_class_builds_into_a_layout_and_a_compat_plan(cls: type[KVCacheSpec]) -> None:
     case = Case((build(cls),), tp=4, heads=2)
     assert len(plan_for(COMPAT, case).groups) == 1
@@ -371,39 +404,31 @@ def test_compat_factors_equal_upstream_spec_tp_replication_factor(case: Case) ->
 
 @pytest.mark.parametrize("context", KEY_CONTEXTS.values(), ids=KEY_CONTEXTS.keys())
 @pytest.mark.parametrize("case", CASES)
-def test_compat_chunk_keys_equal_upstream_on_every_rank(case: Case, context: tuple[str, str]) -> None:
-    assert plan_keys(COMPAT, case, *context) == upstream_keys(case, *context)
+def test_compat_chunk_keys_equal_upstream_on_every_rank(case: Case, context: KeyContext) -> None:
+    assert plan_keys(COMPAT, case, context) == upstream_keys(case, context)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_compat_token_database_metadata_equals_upstream_on_every_rank(case: Case) -> None:
     plan = plan_for(COMPAT, case)
-    ours = [db.metadata for rank in case.ranks() for db in plan_databases(plan, case, *rank)]
-    theirs = [db.metadata for rank in case.ranks() for db in upstream(case, *rank).token_dbs]
+    ours = [db.metadata for rank in case.ranks() for db in plan_databases(plan, case, rank)]
+    theirs = [db.metadata for rank in case.ranks() for db in upstream(case, rank).token_dbs]
     assert ours == theirs
 
 
 @pytest.mark.parametrize("context", KEY_CONTEXTS.values(), ids=KEY_CONTEXTS.keys())
 @pytest.mark.parametrize("case", CASES)
-def test_compat_lookup_prefixes_equal_upstream(case: Case, context: tuple[str, str]) -> None:
-    plan = plan_for(COMPAT, case, *context)
-    assert store.lookup_key_prefixes(plan) == upstream(case, 0, 0, 0, *context)._lookup_key_prefixes
+def test_compat_lookup_prefixes_equal_upstream(case: Case, context: KeyContext) -> None:
+    theirs = upstream(case, context=context)._lookup_key_prefixes
+    assert store.lookup_key_prefixes(plan_for(COMPAT, case, context)) == theirs
 
 
-def policy_worker(policy: Policy, case: Case, tp_rank: int, pcp_rank: int, pp_rank: int, cache_prefix: str) -> KVPolicyStoreWorker:
-    """A real KVPolicyStoreWorker for one rank, built like upstream() plus its own pre-init state."""
-    worker = object.__new__(KVPolicyStoreWorker)
-    set_upstream_state(worker, case, tp_rank, pcp_rank, pp_rank)
-    worker._init_policy_state(policy, model=MODEL, cache_prefix=cache_prefix)
-    worker._select_store_layout({})  # the real method: no store TP options, so no namespace
-    run_override_points(worker, metadata_for(case, tp_rank, pcp_rank, pp_rank, cache_prefix))
-    return worker
-
-
-@pytest.mark.parametrize("case", [case for case in CASES if "-heads3" not in case.id and "-heads8" not in case.id])
+# Head counts 1 and 2 already give every factor the worker can see; the full grid is covered above.
+@pytest.mark.parametrize("case", [param for param in CASES if param.values[0].heads <= 2])
 def test_policy_worker_override_points_answer_like_upstream_under_compat(case: Case) -> None:
     for rank in case.ranks():
-        ours, theirs = policy_worker(COMPAT, case, *rank, "tenant-a"), upstream(case, *rank, "tenant-a")
+        ours = policy_worker(COMPAT, case, rank, "tenant-a")
+        theirs = upstream(case, rank, KeyContext.for_model(MODEL, "tenant-a"))
         assert (
             ours._group_tp_replication_factors,
             [db.key_for(HASH) for db in ours.token_dbs],
@@ -419,34 +444,53 @@ def test_policy_worker_override_points_answer_like_upstream_under_compat(case: C
 
 def test_policy_worker_exposes_the_plan_it_keyed_with() -> None:
     case = Case((mla(), full(), mamba()), tp=4, heads=2)
-    worker = policy_worker(DEFAULT, case, 1, 0, 0, "")
+    worker = policy_worker(DEFAULT, case, (1, 0, 0))
     assert worker.plan is not None and worker.token_dbs[0].key_for(HASH) == chunk_key(
         worker.plan.key_prefix(0, 1), HASH.hex()
     )
 
 
+def test_policy_worker_keys_carry_the_store_namespace_upstream_selects() -> None:
+    case, rank, extra_config = Case((full(),), tp=2, heads=4), (1, 0, 0), {"store_tp_size": 3}
+    reference = object.__new__(MooncakeStoreWorker)
+    set_upstream_state(reference, case, rank)
+    _, namespace, _ = reference._select_store_layout(extra_config)
+    theirs = upstream(case, rank, KeyContext.for_model(MODEL, store_namespace=namespace))
+    ours = policy_worker(COMPAT, case, rank, extra_config=extra_config)
+    assert namespace and [db.key_for(HASH) for db in ours.token_dbs] == [db.key_for(HASH) for db in theirs.token_dbs]
+
+
+def test_policy_worker_refuses_vllms_tp_sharded_store_layout() -> None:
+    with pytest.raises(ValueError, match="TP-sharded store layout"):
+        policy_worker(COMPAT, Case((full(),), tp=2, heads=4), (0, 0, 0), extra_config={"store_tp_size": 4})
+
+
 # --- default differs from compat only where the brief says ---------------------------------------
 
 
-def without_hints(case: Any) -> bool:
-    return not any(hint in case.id for hint in ("tp_replicated", "max_tp_shards", "plugin", "Plugin"))
+def hint_free(param: Any) -> bool:
+    """No replication hint set and no plugin class: the cases where the brief says default == compat."""
+    return not any(hint in param.id for hint in ("tp_replicated", "max_tp_shards", "plugin", "Plugin"))
 
 
-@pytest.mark.parametrize("case", [case for case in CASES if without_hints(case)])
+HINT_FREE_CASES = [param for param in CASES if hint_free(param)]
+
+
+@pytest.mark.parametrize("case", HINT_FREE_CASES)
 def test_default_factors_equal_compat_when_no_hint_is_set_and_every_class_is_known(case: Case) -> None:
     assert plan_for(DEFAULT, case).factors == plan_for(COMPAT, case).factors
 
 
-@pytest.mark.parametrize("case", [case for case in CASES if without_hints(case)])
+@pytest.mark.parametrize("case", HINT_FREE_CASES)
 def test_default_keys_differ_from_compat_only_by_the_plan_fingerprint(case: Case) -> None:
-    fingerprint = plan_for(DEFAULT, case, *KEY_CONTEXTS["prefixed"]).fingerprint
-    compat = plan_keys(COMPAT, case, *KEY_CONTEXTS["prefixed"])
-    assert plan_keys(DEFAULT, case, *KEY_CONTEXTS["prefixed"]) == [
+    fingerprint = plan_for(DEFAULT, case, PREFIXED).fingerprint
+    compat = plan_keys(COMPAT, case, PREFIXED)
+    assert plan_keys(DEFAULT, case, PREFIXED) == [
         key.replace("@tp_rank:", f"@plan:{fingerprint}@tp_rank:") for key in compat
     ]
 
 
-@pytest.mark.parametrize("case", [case for case in CASES if without_hints(case)])
+@pytest.mark.parametrize("case", HINT_FREE_CASES)
 def test_default_lookup_prefixes_differ_from_compat_only_by_the_plan_fingerprint(case: Case) -> None:
     default = plan_for(DEFAULT, case)
     assert store.lookup_key_prefixes(default) == tuple(
@@ -458,9 +502,7 @@ def test_default_lookup_prefixes_differ_from_compat_only_by_the_plan_fingerprint
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_default_replicates_mamba_state_declared_tp_replicated_where_compat_and_upstream_shard_it(tp: int) -> None:
     case = Case((mamba(tp_replicated=True),), tp=tp, heads=1)
-    assert (plan_for(DEFAULT, case).factors, plan_for(COMPAT, case).factors, upstream(case)._group_tp_replication_factors) == (
-        (tp,), (1,), (1,),
-    )
+    assert factors(case) == ((tp,), (1,), (1,))
 
 
 @pytest.mark.parametrize("tp, heads, expected", [(8, 8, 4), (4, 4, 2), (2, 2, 1), (8, 1, 4)])
@@ -469,17 +511,13 @@ def test_default_replicates_attention_beyond_max_tp_shards_where_compat_and_upst
 ) -> None:
     case = Case((full(max_tp_shards=2),), tp=tp, heads=heads)
     upstream_factor = max(1, tp // heads)
-    assert (plan_for(DEFAULT, case).factors, plan_for(COMPAT, case).factors, upstream(case)._group_tp_replication_factors) == (
-        (expected,), (upstream_factor,), (upstream_factor,),
-    )
+    assert factors(case) == ((expected,), (upstream_factor,), (upstream_factor,))
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_default_shards_a_spec_class_no_rule_knows_where_compat_and_upstream_apply_kv_heads(tp: int) -> None:
     case = Case((PluginStateSpec(block_size=BLOCK),), tp=tp, heads=1)
-    assert (plan_for(DEFAULT, case).factors, plan_for(COMPAT, case).factors, upstream(case)._group_tp_replication_factors) == (
-        (1,), (tp,), (tp,),
-    )
+    assert factors(case) == ((1,), (tp,), (tp,))
 
 
 # --- store.py against vLLM's send-thread arithmetic ---------------------------------------------
@@ -503,7 +541,7 @@ def send_thread_chunks(plan: Plan, case: Case, tp_rank: int, group: int, mask_nu
     steps = store.group_put_steps(plan)
     if not store.group_participates(plan, tp_rank, [True] * len(plan.groups))[group]:
         return set()
-    database = plan_databases(plan, case, tp_rank, 0, 0)[group]
+    database = plan_databases(plan, case, (tp_rank, 0, 0))[group]
     step = steps[group]
     return {
         start // database.block_size
@@ -516,7 +554,9 @@ def send_thread_chunks(plan: Plan, case: Case, tp_rank: int, group: int, mask_nu
 @pytest.mark.parametrize("mask_num", [0, 3 * BLOCK], ids=["from-start", "resumed"])
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda schedule: schedule.value)
 @pytest.mark.parametrize("case", SCHEDULE_CASES.values(), ids=SCHEDULE_CASES.keys())
-def test_send_thread_writes_exactly_the_chunks_the_plan_schedules(case: Case, schedule: Schedule, mask_num: int) -> None:
+def test_send_thread_writes_exactly_the_chunks_the_plan_schedules(
+    case: Case, schedule: Schedule, mask_num: int
+) -> None:
     plan = plan_for(scheduled(DEFAULT, schedule), case)
     first = mask_num // BLOCK
     for group, group_plan in enumerate(plan.groups):
@@ -549,7 +589,7 @@ def test_a_group_vllm_would_not_save_never_participates() -> None:
 def test_plan_store_layout_keys_are_chunk_keys_in_the_plan_namespace() -> None:
     case = Case((mla(), full(), mamba()), tp=4, heads=2, pcp=2, pp=2)
     plan = plan_for(DEFAULT, case)
-    databases = plan_databases(plan, case, 3, 1, 1)
+    databases = plan_databases(plan, case, (3, 1, 1))
     assert [db.store_layout.key_for(0, HASH) for db in databases] == [
         chunk_key(plan.key_prefix(group, 3, 1, 1), HASH.hex()) for group in range(3)
     ]
@@ -558,27 +598,39 @@ def test_plan_store_layout_keys_are_chunk_keys_in_the_plan_namespace() -> None:
 def test_plan_store_layout_lookup_prefixes_are_the_plan_namespaces() -> None:
     case = Case((mla(), full(), mamba()), tp=4, heads=2, pp=2)
     plan = plan_for(DEFAULT, case)
-    assert [db.store_layout.lookup_key_prefixes([(0, 0, 0, 0)]) for db in plan_databases(plan, case, 2, 0, 1)] == [
+    assert [db.store_layout.lookup_key_prefixes([(0, 0, 0, 0)]) for db in plan_databases(plan, case, (2, 0, 1))] == [
         group.lookup_namespaces for group in plan.groups
     ]
 
 
 def test_token_database_metadata_carries_group_index_and_shard() -> None:
     case = Case((mla(), full(), mamba()), tp=4, heads=2)
-    databases = plan_databases(plan_for(DEFAULT, case), case, 3, 0, 0)
+    databases = plan_databases(plan_for(DEFAULT, case), case, (3, 0, 0))
     assert [(db.metadata.group_id, db.metadata.tp_rank) for db in databases] == [(0, 0), (1, 1), (2, 3)]
 
 
 @pytest.mark.parametrize(
     "field, value",
-    [("model_name", "Other-Model"), ("cache_prefix", "tenant-b"), ("store_namespace", "@x"), ("dcp_rank", 1), ("pp_rank", 1)],
+    [
+        ("model_name", "Other-Model"),
+        ("cache_prefix", "tenant-b"),
+        ("store_namespace", "@x"),
+        ("dcp_rank", 1),
+        ("pp_rank", 1),
+    ],
 )
 def test_metadata_that_disagrees_with_the_plan_is_refused(field: str, value: object) -> None:
     case = Case((full(),), tp=2, heads=1)
-    metadata = dataclasses.replace(metadata_for(case, 0, 0, 0), **{field: value})
+    metadata = dataclasses.replace(metadata_for(case, (0, 0, 0)), **{field: value})
     with pytest.raises(ValueError, match=field):
         store.build_token_databases(
-            plan_for(COMPAT, case), tp_rank=0, pcp_rank=0, pp_rank=0, block_sizes=[BLOCK], hash_block_sizes=[BLOCK], metadata=metadata
+            plan_for(COMPAT, case),
+            tp_rank=0,
+            pcp_rank=0,
+            pp_rank=0,
+            block_sizes=[BLOCK],
+            hash_block_sizes=[BLOCK],
+            metadata=metadata,
         )
 
 
@@ -587,7 +639,7 @@ def test_block_sizes_must_cover_every_plan_group() -> None:
     with pytest.raises(ValueError, match="2 groups"):
         store.build_token_databases(
             plan_for(COMPAT, case), tp_rank=0, pcp_rank=0, pp_rank=0, block_sizes=[BLOCK], hash_block_sizes=[BLOCK],
-            metadata=metadata_for(case, 0, 0, 0),
+            metadata=metadata_for(case, (0, 0, 0)),
         )
 
 
@@ -595,6 +647,3 @@ def test_lookup_key_prefixes_are_per_group_in_plan_order() -> None:
     plan = plan_for(COMPAT, Case((mla(), full(), mamba()), tp=4, heads=2))
     assert [len(prefixes) for prefixes in store.lookup_key_prefixes(plan)] == [1, 2, 4]
 
-
-def keys_of(databases: Sequence[ChunkedTokenDatabase]) -> list[str]:
-    return [db.key_for(HASH) for db in databases]

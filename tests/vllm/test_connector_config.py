@@ -1,0 +1,291 @@
+"""How KVPolicyConnector reads ``kv_connector_extra_config["kvpolicy"]``.
+
+Full connector construction needs a Mooncake master and torch.distributed and is left to the e2e
+tests; here the policy resolution runs directly, and through the real connector class only as far
+as a bad policy stops it, which is before anything else happens.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+try:
+    import vllm  # noqa: F401
+except ImportError:
+    if os.environ.get("CI") == "true":
+        raise
+    pytest.skip("vllm is not installed", allow_module_level=True)
+
+from vllm.config import VllmConfig
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from kvpolicy.diagnostics import DocumentError, PlanError
+from kvpolicy.engine import plan
+from kvpolicy.loader import load_policy, policies_dir
+from kvpolicy.models import Group, Layout, Spec, Topology
+from kvpolicy.vllm.connector import KVPolicyConfigError, KVPolicyConnector, resolve_policy
+
+INVALID_POLICY = """\
+version: 1
+kind: ReplicationPolicy
+name: Bad_Name
+rulez: []
+rules:
+  - name: mla
+    reason: latent
+    match:
+      spec: MLAAttentionSpec
+    replication: replicated
+    factor: 2
+  - name: heads
+    reason: heads
+    factor: max(1, tp_size // kv_heads)
+"""
+
+STRICT_POLICY = """\
+version: 1
+kind: ReplicationPolicy
+name: strict-mla
+strict: true
+rules:
+  - name: mla-latent
+    reason: The MLA latent cache has no head dimension.
+    match:
+      spec: MLAAttentionSpec
+    replication: replicated
+"""
+
+
+@pytest.fixture
+def invalid_policy(tmp_path: Path) -> Path:
+    path = tmp_path / "invalid.yaml"
+    path.write_text(INVALID_POLICY, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def strict_policy(tmp_path: Path) -> Path:
+    path = tmp_path / "strict.yaml"
+    path.write_text(STRICT_POLICY, encoding="utf-8")
+    return path
+
+
+def config_error(setting: object) -> KVPolicyConfigError:
+    with pytest.raises(KVPolicyConfigError) as raised:
+        resolve_policy({"kvpolicy": setting})
+    return raised.value
+
+
+def plugin_layout() -> Layout:
+    spec = Spec(type="PluginStateSpec", bases=("KVCacheSpec",), block_size=16, page_size_bytes=1024)
+    return Layout(
+        version=1, kind="ModelLayout", model="tiny", total_num_kv_heads=1,
+        groups=(Group(name="plugin", spec=spec, layers=("l.0",)),),
+    )
+
+
+EMPTY_KV_CACHE_CONFIG = KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=[])
+
+
+def vllm_config(setting: object) -> VllmConfig:
+    return VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVPolicyConnector",
+            kv_connector_module_path="kvpolicy.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"kvpolicy": setting},
+        )
+    )
+
+
+# --- names and paths ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["default", "no-dedup", "vllm-compat"])
+def test_a_shipped_policy_name_selects_that_policy(name: str) -> None:
+    assert resolve_policy({"kvpolicy": name}).name == name
+
+
+def test_a_policy_file_path_selects_that_file() -> None:
+    assert resolve_policy({"kvpolicy": str(policies_dir() / "no-dedup.yaml")}).name == "no-dedup"
+
+
+def test_a_misspelled_policy_name_is_a_config_error_suggesting_the_shipped_name() -> None:
+    assert "did you mean 'default'?" in str(config_error("defualt"))
+
+
+def test_a_missing_policy_error_is_the_loader_message_verbatim() -> None:
+    with pytest.raises(DocumentError) as loader_error:
+        load_policy("vllm-compt")
+    assert str(config_error("vllm-compt")) == str(loader_error.value)
+
+
+def test_a_config_error_is_a_value_error_so_vllm_start_up_stops_with_it() -> None:
+    assert isinstance(config_error("nope"), ValueError)
+
+
+def test_a_config_error_carries_no_chained_traceback() -> None:
+    error = config_error("defualt")
+    assert (error.__cause__, error.__suppress_context__) == (None, True)
+
+
+# --- invalid files ------------------------------------------------------------------------------
+
+
+def test_an_invalid_policy_file_reports_every_located_error(invalid_policy: Path) -> None:
+    lines = str(config_error(str(invalid_policy))).splitlines()
+    assert [line.split(": error: ")[0] for line in lines] == [
+        f"{invalid_policy}:3:7",
+        f"{invalid_policy}:4:1",
+        f"{invalid_policy}:6:5",
+        f"{invalid_policy}:14:31",
+    ]
+
+
+def test_an_invalid_policy_error_message_is_the_validator_text(invalid_policy: Path) -> None:
+    with pytest.raises(DocumentError) as loader_error:
+        load_policy(invalid_policy)
+    assert str(config_error(str(invalid_policy))) == str(loader_error.value)
+
+
+def test_an_invalid_policy_error_keeps_the_diagnostics(invalid_policy: Path) -> None:
+    assert len(config_error(str(invalid_policy)).diagnostics) == 4
+
+
+# --- the mapping form ---------------------------------------------------------------------------
+
+
+def test_the_mapping_form_selects_its_policy() -> None:
+    assert resolve_policy({"kvpolicy": {"policy": "no-dedup"}}).name == "no-dedup"
+
+
+def test_strict_true_in_the_mapping_makes_the_policy_strict() -> None:
+    assert resolve_policy({"kvpolicy": {"policy": "default", "strict": True}}).strict is True
+
+
+def test_strict_false_in_the_mapping_relaxes_a_strict_policy(strict_policy: Path) -> None:
+    assert resolve_policy({"kvpolicy": {"policy": str(strict_policy), "strict": False}}).strict is False
+
+
+def test_the_mapping_without_strict_keeps_the_file_setting(strict_policy: Path) -> None:
+    assert resolve_policy({"kvpolicy": {"policy": str(strict_policy)}}).strict is True
+
+
+def test_a_strict_override_keeps_the_rule_origins() -> None:
+    loaded = load_policy("default")
+    overridden = resolve_policy({"kvpolicy": {"policy": "default", "strict": True}})
+    origins = [overridden.rule_origin(index) for index in range(len(overridden.rules))]
+    assert origins == [loaded.rule_origin(index) for index in range(len(loaded.rules))]
+    assert origins[0].endswith("default.yaml:16")
+
+
+def test_a_strict_override_changes_nothing_but_strict() -> None:
+    overridden = resolve_policy({"kvpolicy": {"policy": "default", "strict": True}})
+    assert overridden.model_dump() == {**load_policy("default").model_dump(), "strict": True}
+
+
+def test_a_strict_override_takes_effect_in_planning() -> None:
+    policy = resolve_policy({"kvpolicy": {"policy": "default", "strict": True}})
+    with pytest.raises(PlanError, match="strict"):
+        plan(policy, plugin_layout(), Topology(tp_size=2))
+
+
+def test_an_unknown_mapping_key_suggests_the_known_one() -> None:
+    assert "did you mean 'strict'?" in str(config_error({"policy": "default", "strikt": True}))
+
+
+def test_a_non_boolean_strict_is_a_config_error() -> None:
+    assert "must be true or false" in str(config_error({"policy": "default", "strict": "yes"}))
+
+
+def test_a_mapping_without_policy_is_a_config_error() -> None:
+    assert "lacks 'policy'" in str(config_error({"strict": True}))
+
+
+def test_a_policy_named_inside_the_mapping_is_checked_like_a_bare_name() -> None:
+    assert "did you mean 'no-dedup'?" in str(config_error({"policy": "no-dedupe", "strict": True}))
+
+
+# --- missing or malformed settings ----------------------------------------------------------------
+
+
+def test_no_policy_setting_is_a_config_error_naming_the_shipped_policies() -> None:
+    with pytest.raises(KVPolicyConfigError, match="default, no-dedup, vllm-compat"):
+        resolve_policy({})
+
+
+def test_a_setting_of_the_wrong_type_is_a_config_error() -> None:
+    assert "is a int" in str(config_error(3))
+
+
+# --- through the real connector class -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", list(KVConnectorRole), ids=lambda role: role.name.lower())
+def test_the_connector_stops_on_a_bad_policy_in_either_role_before_anything_else(role: KVConnectorRole) -> None:
+    # Nothing but the policy is configured (no model, no store): reaching anything else would fail differently.
+    with pytest.raises(KVPolicyConfigError, match="did you mean 'default'"):
+        KVPolicyConnector(vllm_config("defualt"), role, EMPTY_KV_CACHE_CONFIG)
+
+
+def test_vllm_factory_loads_the_connector_from_its_module_path() -> None:
+    config = vllm_config("default").kv_transfer_config
+    assert config is not None and KVConnectorFactory.get_connector_class(config) is KVPolicyConnector
+
+
+def test_vllm_factory_accepts_the_connector_for_hybrid_models() -> None:
+    config = vllm_config("default").kv_transfer_config
+    assert config is not None and KVConnectorFactory.supports_hma_config(config)
+
+
+def test_importing_kvpolicy_vllm_loads_neither_vllm_nor_mooncake() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        import kvpolicy.vllm
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "mooncake", "torch")))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert result.stdout.strip() == "[]"
+
+
+def _on_self(node: ast.AST) -> str | None:
+    """``attr`` when ``node`` is ``self.attr``."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
+
+
+def _self_assignments_and_calls(function: Callable[..., object]) -> set[str]:
+    """``self.x =`` and ``self.f()`` statements in ``function``'s source."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(function)))):
+        if isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found.update(f"self.{name} =" for name in map(_on_self, targets) if name)
+        elif isinstance(node, ast.Call) and (name := _on_self(node.func)):
+            found.add(f"self.{name}()")
+    return found
+
+
+def test_the_worker_role_repeats_every_assignment_and_call_of_upstream_init() -> None:
+    # Guards the lines KVPolicyConnector repeats from MooncakeStoreConnector.__init__ against drift.
+    upstream = _self_assignments_and_calls(MooncakeStoreConnector.__init__)
+    assert upstream - _self_assignments_and_calls(KVPolicyConnector._init_worker_role) == set()
