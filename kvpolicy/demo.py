@@ -8,9 +8,12 @@ runs, serve a tiny model cold then warm through ``KVPolicyConnector``. Stops eve
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvpolicy.engine import plan
@@ -32,20 +35,36 @@ def _step(number: int, title: str) -> None:
     _say(f"[{number}/5] {title}")
 
 
+@contextlib.contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    """Send file descriptor 2 to ``path``: Mooncake's C++ logging writes there directly, per client."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with path.open("ab") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def _pre_fix_policy() -> Policy:
     packaged = Path(__file__).resolve().parent / "examples_policies" / "pre-fix-single-factor.yaml"
     return load_policy(packaged if packaged.is_file() else PRE_FIX_POLICY)
 
 
 def run_demo(*, tp_size: int = 4, with_engine: bool = True) -> int:
-    from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.vllm.harness import run_consistency
-
     started = time.monotonic()
+    from kvpolicy.mooncake import MooncakeMaster
+    from kvpolicy.vllm.harness import ClientPool, run_consistency
+
     verdicts: list[bool] = []
     _step(1, "starting an embedded Mooncake master on 127.0.0.1")
     with MooncakeMaster() as master:
-        _say(f"  master pid {master.pid}, rpc {master.rpc_address}, metrics {master.metrics_url}")
+        master_pid = master.pid
+        _say(f"  master pid {master_pid}, rpc {master.rpc_address}, metrics {master.metrics_url}")
 
         _step(2, "validating the shipped policies and example layouts")
         files = sorted(policies_dir().glob("*.yaml")) + sorted(layouts_dir().glob("*.yaml"))
@@ -64,15 +83,19 @@ def run_demo(*, tp_size: int = 4, with_engine: bool = True) -> int:
 
         _step(4, f"multi-rank harness: hybrid MLA + KDA instance, tp={tp_size}, through real Mooncake")
         rows = []
-        for label, policy, expect_consistent in (
-            ("default", load_policy("default"), True),
-            ("no-dedup", load_policy("no-dedup"), True),
-            ("pre-fix (one model-wide factor)", _pre_fix_policy(), False),
-        ):
-            _say(f"  running {label} ...")
-            report = run_consistency(policy, HYBRID_ARCHETYPE, tp_size, master=master)
-            rows.append((label, report))
-            verdicts.append(report.consistent == expect_consistent)
+        native_log = Path(tempfile.gettempdir()) / f"kvpolicy-demo-{os.getpid()}.log"
+        _say(f"  (Mooncake's and vLLM's own log lines go to {native_log})")
+        with _stderr_to(native_log), ClientPool(master) as clients:  # closed before the master stops: a client outliving it blocks
+            for label, policy, expect_consistent in (
+                ("default", load_policy("default"), True),
+                ("no-dedup", load_policy("no-dedup"), True),
+                ("pre-fix (one model-wide factor)", _pre_fix_policy(), False),
+            ):
+                _say(f"  running {label} ...")
+                report = run_consistency(policy, HYBRID_ARCHETYPE, tp_size, master=master, clients=clients)
+                rows.append((label, report))
+                verdicts.append(report.consistent == expect_consistent)
+            _say("  closing the store clients ...")
         _say()
         _say(f"  {'policy':32} {'objects':>8} {'bytes written':>14} {'vs unique':>9}  warm hit  byte consistency per group")
         for label, report in rows:
@@ -95,7 +118,7 @@ def run_demo(*, tp_size: int = 4, with_engine: bool = True) -> int:
     elapsed = time.monotonic() - started
     passed = all(verdicts)
     _say()
-    _say(f"demo {'PASSED' if passed else 'FAILED'} in {elapsed:.0f} s; the master (pid {master.pid}) is stopped")
+    _say(f"demo {'PASSED' if passed else 'FAILED'} in {elapsed:.0f} s; the master (pid {master_pid}) is stopped")
     return 0 if passed else 1
 
 
