@@ -79,18 +79,25 @@ class EngineResult:
     stderr: str = field(default="", repr=False)
 
     def max_logprob_diff(self, other: EngineResult) -> float:
-        """Largest absolute logprob difference over the candidates both results list per step.
+        """Largest absolute logprob difference between two runs of the same prompt.
 
-        ``inf`` when the generated tokens differ or a step shares no candidate.
+        Steps are compared while both runs have the same context: every step when the generated
+        tokens agree, else up to and including the first step where they differ. Per step, only the
+        candidates both runs list are compared; ``inf`` when a compared step shares none or either
+        run generated nothing.
         """
-        if self.tokens != other.tokens:
+        if not self.logprobs or not other.logprobs:
             return float("inf")
         worst = 0.0
-        for mine, theirs in zip(self.logprobs, other.logprobs, strict=True):
+        for mine_token, theirs_token, mine, theirs in zip(
+            self.tokens, other.tokens, self.logprobs, other.logprobs
+        ):
             common = mine.keys() & theirs.keys()
             if not common:
                 return float("inf")
             worst = max(worst, max(abs(mine[token] - theirs[token]) for token in common))
+            if mine_token != theirs_token:
+                break
         return worst
 
 

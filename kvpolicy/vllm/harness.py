@@ -41,11 +41,13 @@ import dataclasses
 import hashlib
 import math
 import queue
+import re
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
@@ -69,6 +71,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculat
 from vllm.utils.hashing import sha256
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+from vllm.v1 import kv_cache_interface
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import (
@@ -91,7 +94,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvpolicy.engine import plan as make_plan
 from kvpolicy.keys import KeyContext
-from kvpolicy.models import Policy, Topology
+from kvpolicy.models import Layout, Policy, Topology
 from kvpolicy.mooncake.client import MiB, ClientConfig, connect_store
 from kvpolicy.mooncake.master import MooncakeMaster
 from kvpolicy.mooncake.metrics import MasterCounters, delta, read_metrics
@@ -106,6 +109,7 @@ __all__ = [
     "GroupOutcome",
     "archetype_description",
     "HarnessReport",
+    "archetype_from_layout",
     "run_consistency",
 ]
 
@@ -1077,3 +1081,96 @@ def archetype_description(archetype: str) -> str:
         return _ARCHETYPES[archetype].description
     except KeyError:
         raise ValueError(f"unknown archetype {archetype!r}; known: {', '.join(ARCHETYPES)}") from None
+
+
+# --- archetypes from layout documents ------------------------------------------------------------
+
+_MAMBA_DIM = 4
+"""Largest state dimension a layout's Mamba spec keeps in :func:`archetype_from_layout`."""
+
+
+def _spec_value(value: Any, default: Any) -> Any:
+    """A layout field value (YAML: scalars, lists) as the spec dataclass wants it."""
+    if isinstance(default, Enum):
+        return type(default)(value)
+    if isinstance(value, list):
+        return tuple(_spec_value(item, None) for item in value)
+    if isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype):
+        return getattr(torch, value)
+    return value
+
+
+def _layout_layer_kind(spec: Any, *, head_size: int, num_kv_heads: int) -> Callable[[int], KVCacheSpec]:
+    """tp_size → a per-rank spec of the layout's class, from its fields, at a scaled-down size."""
+    cls = getattr(kv_cache_interface, spec.type, None)
+    if not (isinstance(cls, type) and issubclass(cls, KVCacheSpec)):
+        raise ValueError(f"{spec.type} is not a spec class of vllm.v1.kv_cache_interface")
+    init = {field.name: field for field in dataclasses.fields(cls) if field.init}
+    kwargs: dict[str, Any] = {}
+    for name, value in spec.fields.items():
+        if name in init:
+            default = init[name].default
+            kwargs[name] = _spec_value(value, None if default is dataclasses.MISSING else default)
+    # Scaled down, by field rather than by class: the store moves bytes without reading them, so only
+    # the class and the fields the policies read matter; vLLM pads the pages to one size when grouping.
+    kwargs["block_size"] = BLOCK_SIZE
+    kwargs.pop("page_size_padded", None)
+    if "num_kv_heads" in kwargs:
+        kwargs["num_kv_heads"] = num_kv_heads
+    if "head_size" in kwargs:
+        kwargs["head_size"] = head_size
+    if kwargs.get("head_size_v"):
+        kwargs["head_size_v"] = head_size
+    if "shapes" in kwargs:
+        kwargs["shapes"] = tuple(tuple(min(dim, _MAMBA_DIM) for dim in shape) for shape in kwargs["shapes"])
+    built = cls(**kwargs)
+    return lambda tp_size: built
+
+
+def _layer_order(name: str) -> tuple[Any, ...]:
+    # Model order: "model.layers.10" after "model.layers.9".
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def archetype_from_layout(
+    layout: Layout,
+    true_factors: Mapping[str, Callable[[int], int]],
+    *,
+    name: str | None = None,
+    layers_per_group: int | None = None,
+    head_size: int = 32,
+    num_kv_heads: int = 1,
+) -> str:
+    """Make a kvpolicy ``Layout`` an archetype :func:`run_consistency` accepts; return its name.
+
+    Each layer gets the layout's spec class, looked up by name in ``vllm.v1.kv_cache_interface``,
+    built from the layout's fields, and scaled down: block size :data:`BLOCK_SIZE`, attention
+    ``num_kv_heads`` and ``head_size`` (and a non-zero ``head_size_v``) as given here, Mamba state
+    dimensions cut to 4, no page padding (vLLM's grouping pads pages to one size, as for the real
+    model). Layers go in model order, so vLLM's ``get_kv_cache_groups`` regroups them itself;
+    ``layers_per_group`` keeps only the first layers of each group (of each entry of a uniform
+    group). ``true_factors`` maps each group name (``group-<index>`` when unnamed) to its ground
+    truth, tp_size → TP ranks holding identical bytes, stated independently of any policy.
+    """
+    kinds: dict[str, _LayerKind] = {}
+    layers: list[tuple[str, str]] = []
+    for index, group in enumerate(layout.groups):
+        group_name = group.name or f"group-{index}"
+        if group_name not in true_factors:
+            raise ValueError(f"no true factor for group {group_name!r} of {layout.model}")
+        for member_index, member in enumerate(group.members):
+            kind = group_name if len(group.members) == 1 else f"{group_name}#{member_index}"
+            kinds[kind] = _LayerKind(
+                _layout_layer_kind(member.spec, head_size=head_size, num_kv_heads=num_kv_heads),
+                true_factors[group_name],
+            )
+            kept = member.layers if layers_per_group is None else member.layers[:layers_per_group]
+            layers.extend((layer, kind) for layer in kept)
+    archetype = name or f"layout-{layout.model.rstrip('/').split('/')[-1].lower()}"
+    _ARCHETYPES[archetype] = _Archetype(
+        layout.description or layout.model,
+        layout.total_num_kv_heads,
+        tuple(sorted(layers, key=lambda entry: _layer_order(entry[0]))),
+        kinds,
+    )
+    return archetype

@@ -1,0 +1,225 @@
+"""End to end: real vLLM engines on CPU, the KVPolicyConnector, a real Mooncake store.
+
+Every engine runs in a fresh process (:func:`kvpolicy.vllm.e2e.serve_once`), so the warm engine B
+can only hit on objects the cold engine A left in the store. The model is a tiny random Llama
+generated locally; greedy sampling over a fixed 109-token prompt (3 full 32-token chunks).
+
+Each test gets its own model directory name: the model's basename is part of every store key, so
+tests sharing one master and one segment holder never hit on each other's objects.
+
+Runtime on 2 cores: a TP=1 engine takes about 20 s, a TP=2 engine 25 to 60 s (mostly Python
+imports in the engine and its two workers); 9 engines in all.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import require, unavailable
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+if importlib.util.find_spec("vllm") is None:
+    unavailable("vllm is not installed (pip install 'kvpolicy[vllm]')")
+require("mooncake.store")
+
+from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402
+from kvpolicy.mooncake.master import MooncakeMaster, find_master_binary  # noqa: E402
+from kvpolicy.mooncake.testing import small_client_config  # noqa: E402
+from kvpolicy.vllm.e2e import (  # noqa: E402
+    DEFAULT_BLOCK_SIZE,
+    EngineFailed,
+    EngineResult,
+    SegmentHolder,
+    engine_store_config,
+    fixed_prompt,
+    serve_once,
+)
+from kvpolicy.vllm.tinymodel import make_tiny_llama  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+WRONG_POLICY = REPO / "examples" / "policies" / "wrong-attention-replicated.yaml"
+
+PROMPT = fixed_prompt(109)
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE
+FULL_CHUNKS = len(PROMPT) // BLOCK_SIZE
+"""Chunks the store holds for the prompt: only full blocks are saved (the 8 decode tokens do not
+complete a fourth block: 109 + 8 < 128)."""
+CACHED_TOKENS = FULL_CHUNKS * BLOCK_SIZE
+NUM_GROUPS = 1
+"""A plain Llama has one KV-cache group (full attention)."""
+MAX_TOKENS = 8
+LOGPROBS = 20
+"""vLLM's default max_logprobs; wide enough that the wrong policy's first step still shares
+candidates with the right one, so the difference is a number rather than disjoint top-k sets."""
+LOGPROB_TOLERANCE = 1e-4
+"""Warm vs cold at the same TP. Observed: exactly 0.0 (same kernels, same bytes loaded back)."""
+WRONG_MIN_DIFF = 0.05
+"""The wrong policy must move some logprob by at least this much. Observed: about 0.3 to 1.6."""
+LEASE_TTL_MS = 120_000
+"""Mooncake's default object lease is 10 s. On a loaded 2-core machine a warm engine's batch get
+has been seen to take longer than that (both ranks at once), which fails the load with
+LEASE_EXPIRED; the test master gets a lease that no healthy run comes near."""
+
+
+def policy_config(policy: str | os.PathLike[str]) -> dict[str, object]:
+    return {
+        "kv_connector": "KVPolicyConnector",
+        "kv_connector_module_path": "kvpolicy.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvpolicy": os.fspath(policy)},
+    }
+
+
+@pytest.fixture(scope="module")
+def e2e_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    """A master for this module only, with a long object lease (see :data:`LEASE_TTL_MS`).
+
+    ``MooncakeMaster`` has no option for extra flags, so it runs a wrapper that appends the flag
+    (gflags: the last occurrence wins); everything else, the loopback flags included, is its own.
+    """
+    wrapper = tmp_path_factory.mktemp("master") / "mooncake_master"
+    wrapper.write_text(
+        f'#!/bin/sh\nexec {shlex.quote(find_master_binary())} "$@" --default_kv_lease_ttl={LEASE_TTL_MS}\n'
+    )
+    wrapper.chmod(0o755)
+    with MooncakeMaster(binary=wrapper) as master:
+        yield master
+
+
+@pytest.fixture(scope="module")
+def store_config(e2e_master: MooncakeMaster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The engines' ``MOONCAKE_CONFIG_PATH``, with a segment holder keeping the objects alive."""
+    path = engine_store_config(small_client_config(e2e_master), tmp_path_factory.mktemp("mooncake") / "engine.json")
+    with SegmentHolder(e2e_master.rpc_address):
+        yield path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory):
+    """``models(name, kv_heads)`` → a tiny Llama directory named *name* (created once)."""
+    root = tmp_path_factory.mktemp("models")
+    made: dict[str, Path] = {}
+
+    def get(name: str, kv_heads: int) -> Path:
+        if name not in made:
+            made[name] = make_tiny_llama(root / name, num_kv_heads=kv_heads)
+        return made[name]
+
+    return get
+
+
+class Store:
+    """Runs engines against the module's store and measures master traffic per engine."""
+
+    def __init__(self, master: MooncakeMaster, config_path: Path) -> None:
+        self.master = master
+        self.config_path = config_path
+
+    def serve(self, model: Path, *, tp_size: int, policy: str | os.PathLike[str]) -> tuple[EngineResult, MasterCounters]:
+        before = MasterCounters.read(self.master.metrics_url)
+        result = serve_once(
+            model,
+            PROMPT,
+            tp_size=tp_size,
+            kv_transfer_config=policy_config(policy),
+            mooncake_config_path=self.config_path,
+            max_tokens=MAX_TOKENS,
+            logprobs=LOGPROBS,
+        )
+        traffic = delta(before, MasterCounters.read(self.master.metrics_url))
+        print(
+            f"tp={tp_size} policy={Path(os.fspath(policy)).stem} model={model.name}: wall {result.wall_s:.1f} s"
+            f" (start-up {result.startup_s:.1f} s, generate {result.generate_s:.1f} s),"
+            f" cached {result.num_cached_tokens}/{result.prompt_len}, written {traffic.objects_written},"
+            f" read {traffic.objects_read}, tokens {list(result.tokens)}"
+        )
+        assert len(result.tokens) == MAX_TOKENS, (
+            f"engine generated {len(result.tokens)} tokens, not {MAX_TOKENS} (a failed KV load fails the"
+            f" request); stdout tail:\n{result.stdout[-4000:]}"
+        )
+        assert result.saves_drained, "the engine exited before the connector finished its puts"
+        return result, traffic
+
+
+@pytest.fixture(scope="module")
+def store(e2e_master: MooncakeMaster, store_config: Path) -> Store:
+    return Store(e2e_master, store_config)
+
+
+def assert_warm_matches_cold(cold: EngineResult, warm: EngineResult) -> None:
+    assert cold.num_cached_tokens == 0, "the cold engine hit: another test's objects share its keys"
+    assert warm.num_cached_tokens == CACHED_TOKENS, "the warm engine did not load the prompt's chunks"
+    assert warm.tokens == cold.tokens
+    diff = cold.max_logprob_diff(warm)
+    print(f"max |logprob(warm) - logprob(cold)| = {diff:.3g}")
+    assert diff <= LOGPROB_TOLERANCE
+
+
+def test_tp1_fresh_engine_hits_and_matches(store: Store, models) -> None:
+    model = models("tiny-llama-tp1", kv_heads=2)
+    cold, cold_traffic = store.serve(model, tp_size=1, policy="default")
+    assert cold_traffic.objects_written == FULL_CHUNKS * NUM_GROUPS
+    warm, warm_traffic = store.serve(model, tp_size=1, policy="default")
+    assert_warm_matches_cold(cold, warm)
+    assert warm_traffic.objects_written == 0
+    assert warm_traffic.objects_read == FULL_CHUNKS * NUM_GROUPS
+
+
+def test_tp2_one_kv_head_writes_each_chunk_once(store: Store, models) -> None:
+    # One KV head at TP=2: both ranks hold identical bytes (factor 2), so the pair writes each chunk
+    # once, striped over the ranks, and each rank reads all of them back from the shared namespace.
+    model = models("tiny-llama-tp2-kv1", kv_heads=1)
+    cold, cold_traffic = store.serve(model, tp_size=2, policy="default")
+    assert cold_traffic.objects_written == FULL_CHUNKS * NUM_GROUPS
+    assert cold_traffic.batch_put_start_items == FULL_CHUNKS * NUM_GROUPS, "a chunk was offered twice"
+    warm, warm_traffic = store.serve(model, tp_size=2, policy="default")
+    assert_warm_matches_cold(cold, warm)
+    assert warm_traffic.objects_written == 0
+    assert warm_traffic.objects_read == FULL_CHUNKS * NUM_GROUPS * 2
+
+
+def test_tp2_distinct_heads_default_policy_matches(store: Store, models) -> None:
+    # Two KV heads at TP=2: each rank holds its own head, so each rank writes and reads its own.
+    model = models("tiny-llama-tp2-kv2-default", kv_heads=2)
+    cold, cold_traffic = store.serve(model, tp_size=2, policy="default")
+    assert cold_traffic.objects_written == FULL_CHUNKS * NUM_GROUPS * 2
+    warm, warm_traffic = store.serve(model, tp_size=2, policy="default")
+    assert_warm_matches_cold(cold, warm)
+    assert warm_traffic.objects_read == FULL_CHUNKS * NUM_GROUPS * 2
+
+
+def test_tp2_distinct_heads_wrong_policy_is_caught(store: Store, models) -> None:
+    # The deliberately wrong policy calls those distinct heads replicated: the ranks share one
+    # namespace and take turns writing, so warm, each rank loads chunks holding the other's head.
+    model = models("tiny-llama-tp2-kv2-wrong", kv_heads=2)
+    cold, cold_traffic = store.serve(model, tp_size=2, policy=WRONG_POLICY)
+    assert cold.num_cached_tokens == 0
+    assert cold_traffic.objects_written == FULL_CHUNKS * NUM_GROUPS, "the wrong policy was not in effect"
+    warm, _ = store.serve(model, tp_size=2, policy=WRONG_POLICY)
+    assert warm.num_cached_tokens == CACHED_TOKENS, "the warm engine must still report a hit"
+    diff = cold.max_logprob_diff(warm)
+    print(f"wrong policy: max |logprob(warm) - logprob(cold)| = {diff:.3g}; tokens {cold.tokens} vs {warm.tokens}")
+    assert diff >= WRONG_MIN_DIFF, "loading another rank's heads went unnoticed: the e2e check cannot fail"
+
+
+def test_unknown_policy_fails_startup_with_located_error(store: Store, models) -> None:
+    model = models("tiny-llama-bad-policy", kv_heads=2)
+    with pytest.raises(EngineFailed) as failure:
+        serve_once(
+            model,
+            PROMPT,
+            tp_size=1,
+            kv_transfer_config=policy_config("defualt"),
+            mooncake_config_path=store.config_path,
+            timeout=240,
+        )
+    assert failure.value.returncode is not None, "the engine hung instead of failing"
+    assert "no policy file or shipped policy named 'defualt'" in failure.value.stderr
+    assert "did you mean 'default'?" in failure.value.stderr
+    assert "did you mean 'default'?" in str(failure.value), "the raised message should carry the stderr tail"
