@@ -80,10 +80,17 @@ class MooncakeMaster:
     """
 
     def __init__(
-        self, binary: str | os.PathLike[str] | None = None, *, start_timeout: float = 20.0
+        self,
+        binary: str | os.PathLike[str] | None = None,
+        *,
+        start_timeout: float = 20.0,
+        object_lease_ms: int | None = None,
     ) -> None:
         self._binary = binary
         self._start_timeout = start_timeout
+        self._object_lease_ms = object_lease_ms
+        """Mooncake's object lease (its default is 10 s): a read slower than this fails with
+        LEASE_EXPIRED, which a starved 2-core test machine can hit."""
         self._process: subprocess.Popen[bytes] | None = None
         self._log_path: Path | None = None
         self.rpc_port = 0
@@ -138,6 +145,7 @@ class MooncakeMaster:
                     "--enable_ha=false",
                     # glog to stderr (our log file), never to files of its own under /tmp.
                     "--logtostderr=true",
+                    *([f"--default_kv_lease_ttl={self._object_lease_ms}"] if self._object_lease_ms else []),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,

@@ -26,7 +26,7 @@ import tempfile
 import textwrap
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,7 +74,8 @@ class EngineResult:
     wall_s: float
     """Seconds from spawning the child to its exit."""
     saves_drained: bool = True
-    """Whether the child saw the connector finish its store jobs before it exited."""
+    """Whether the child saw the connector report all its puts done before it exited (with the
+    engine core in another process it can only shut down, which waits up to 5 s, and says False)."""
     stdout: str = field(default="", repr=False)
     stderr: str = field(default="", repr=False)
 
@@ -439,6 +440,7 @@ def _main(argv: Sequence[str]) -> int:
     # The result is out and the store jobs are done: skip vLLM's teardown (a 5 s grace period per
     # worker at TP>1). The parent kills this process group, workers included, once this exits.
     os._exit(0)
+
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
