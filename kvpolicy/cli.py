@@ -1,4 +1,4 @@
-"""The ``kvpolicy`` command: validate, schema, plan, explain, vllm-config, demo.
+"""The ``kvpolicy`` command: validate, schema, plan, explain, vllm-config, audit, demo.
 
 Exit codes: 0 success; 1 the input is invalid (every problem printed as ``PATH:LINE:COL: error: ...``)
 or a check failed; 2 the command line is wrong.
@@ -119,6 +119,116 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(tp_size=args.tp, with_engine=not args.no_engine)
 
 
+def _physical_true_factors(layout: object) -> dict[str, object]:
+    """Per group of a layout, tp_size → TP ranks that really hold identical bytes (the brief's table):
+    stated from what the model computes, independently of any policy, so the offline audit can judge
+    one. An MLA latent is whole on every rank; Mamba / linear-attention state is split by heads
+    unless vLLM marks it ``tp_replicated``; GQA heads repeat on ``tp // heads`` consecutive ranks."""
+    import math
+
+    def member_factor(spec: object, heads: int):  # noqa: ANN202
+        classes, fields = spec.classes, spec.fields  # type: ignore[attr-defined]
+
+        def factor(tp_size: int) -> int:
+            if "MambaSpec" in classes:
+                return tp_size if fields.get("tp_replicated") else 1
+            if "MLAAttentionSpec" in classes or "SlidingWindowMLASpec" in classes:
+                return tp_size
+            return max(1, tp_size // heads)
+
+        return factor
+
+    truth: dict[str, object] = {}
+    for index, group in enumerate(layout.groups):  # type: ignore[attr-defined]
+        members = [member_factor(member.spec, layout.total_num_kv_heads) for member in group.members]  # type: ignore[attr-defined]
+        truth[group.name or f"group-{index}"] = lambda tp_size, members=members: math.gcd(
+            *(member(tp_size) for member in members)
+        )
+    return truth
+
+
+def _audit(args: argparse.Namespace) -> int:
+    """The offline replication audit: the connector's audit on simulated ranks holding the bytes the
+    model really holds, then a warm load to check the fallback's bytes."""
+    import os
+    import tempfile
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout; keep the report readable
+    policy = load_policy(args.policy)
+    from kvpolicy.audit import ReplicationAuditError
+    from kvpolicy.demo import _stderr_to
+    from kvpolicy.mooncake import MooncakeMaster
+    from kvpolicy.vllm.harness import ClientPool, archetype_from_layout, run_consistency
+
+    if args.layout is not None:
+        layout = load_layout(args.layout)
+        target = f"layout {Path(args.layout).stem}"
+        archetype = archetype_from_layout(
+            layout, _physical_true_factors(layout), layers_per_group=2, name=f"audit-{Path(args.layout).stem}"
+        )
+    else:
+        archetype, target = args.archetype, f"archetype {args.archetype}"
+    native_log = Path(tempfile.gettempdir()) / f"kvpolicy-audit-{os.getpid()}.log"
+    try:
+        with _stderr_to(native_log), MooncakeMaster() as master, ClientPool(master) as clients:
+            report = run_consistency(
+                policy, archetype, args.tp, master=master, clients=clients, num_tokens=args.tokens, audit=True
+            )
+    except ReplicationAuditError as error:
+        if args.format == "json":
+            print(json.dumps({"policy": policy.name, "target": target, "tp": args.tp, "enforced": str(error)}, indent=2))
+        else:
+            print(f"audit: policy {policy.name}, {target}, tp={args.tp}: stopped (audit: enforce)")
+            print(error)
+        return 1
+    failed = any(group.audit == "demoted" or not group.consistent for group in report.groups)
+    if args.format == "json":
+        payload = {
+            "policy": policy.name,
+            "target": target,
+            "tp": args.tp,
+            "passed": not failed,
+            "hit_tokens": report.hit_tokens,
+            "groups": [
+                {
+                    "index": group.index,
+                    "name": group.name,
+                    "declared_factor": group.declared_factor,
+                    "factor": group.factor,
+                    "true_factor": group.true_factor,
+                    "audit": group.audit,
+                    "message": group.audit_message,
+                    "consistent": group.consistent,
+                    "mismatched_ranks": list(group.mismatched_ranks),
+                }
+                for group in report.groups
+            ],
+        }
+        print(json.dumps(payload, indent=2))
+        return 1 if failed else 0
+    print(f"audit: policy {policy.name}, {target}, tp={args.tp}, {report.num_tokens}-token prompt")
+    for group in report.groups:
+        verdict = {
+            "agreed": f"agreed: replicated over {group.factor} ranks, confirmed",
+            "demoted": f"DEMOTED: factor {group.declared_factor} -> 1 (own namespace)",
+            "-": "factor 1, nothing to audit",
+            "pending": "no evidence (all-zero blocks), not confirmed",
+            "unverified": "no evidence (all-zero blocks), not confirmed",
+        }.get(group.audit, group.audit)
+        loaded = "bytes loaded back correctly" if group.consistent else (
+            "WRONG bytes loaded on ranks " + ",".join(map(str, group.mismatched_ranks))
+        )
+        print(f"  group {group.index} {group.name}: {verdict}; {loaded}")
+        if group.audit_message:
+            print(f"    {group.audit_message}")
+    demoted = sum(group.audit == "demoted" for group in report.groups)
+    if failed:
+        print(f"FAILED: {demoted} group(s) demoted; fix the rule(s) named above before deploying this policy")
+    else:
+        print("passed: every replicated group is identical across its replica sets")
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpolicy", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -157,6 +267,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     list_command = commands.add_parser("list", help="list the shipped policies")
     list_command.set_defaults(run=_list)
+
+    audit = commands.add_parser(
+        "audit", help="check a policy's replicated groups on simulated ranks through real Mooncake (exit 1 if wrong)"
+    )
+    audit.add_argument("--policy", required=True, help="a shipped policy's name or a path")
+    target = audit.add_mutually_exclusive_group(required=True)
+    target.add_argument("--archetype", help="a harness archetype (kimi-linear, mla, gqa-mamba, ...)")
+    target.add_argument("--layout", help="an example layout's name or a path")
+    audit.add_argument("--tp", type=int, required=True)
+    audit.add_argument("--tokens", type=int, default=256, help="prompt length")
+    audit.add_argument("--format", choices=("text", "json"), default="text")
+    audit.set_defaults(run=_audit)
 
     demo = commands.add_parser("demo", help="embedded Mooncake master, multi-rank harness, vLLM cold/warm run")
     demo.add_argument("--tp", type=int, default=4, help="TP size of the simulated hybrid instance")

@@ -19,6 +19,7 @@ from pathlib import Path
 from kvpolicy.engine import plan
 from kvpolicy.loader import check_file, layouts_dir, load_layout, load_policy, policies_dir
 from kvpolicy.models import Policy, Topology
+from kvpolicy.mooncake import MooncakeMaster
 from kvpolicy.report import format_plan_table
 
 HYBRID_LAYOUT = "kimi-linear-48b-a3b"
@@ -57,12 +58,12 @@ def _pre_fix_policy() -> Policy:
 
 def run_demo(*, tp_size: int = 4, with_engine: bool = True) -> int:
     started = time.monotonic()
-    from kvpolicy.mooncake import MooncakeMaster
     from kvpolicy.vllm.harness import ClientPool, run_consistency
 
     verdicts: list[bool] = []
     _step(1, "starting an embedded Mooncake master on 127.0.0.1")
-    with MooncakeMaster() as master:
+    # A long object lease: on a busy 2-core machine a warm read can stall past Mooncake's default 10 s.
+    with MooncakeMaster(object_lease_ms=120_000) as master:
         master_pid = master.pid
         _say(f"  master pid {master_pid}, rpc {master.rpc_address}, metrics {master.metrics_url}")
 
@@ -86,13 +87,15 @@ def run_demo(*, tp_size: int = 4, with_engine: bool = True) -> int:
         native_log = Path(tempfile.gettempdir()) / f"kvpolicy-demo-{os.getpid()}.log"
         _say(f"  (Mooncake's and vLLM's own log lines go to {native_log})")
         with _stderr_to(native_log), ClientPool(master) as clients:  # closed before the master stops: a client outliving it blocks
-            for label, policy, expect_consistent in (
-                ("default", load_policy("default"), True),
-                ("no-dedup", load_policy("no-dedup"), True),
-                ("pre-fix (one model-wide factor)", _pre_fix_policy(), False),
+            for label, policy, expect_consistent, audit in (
+                ("default", load_policy("default"), True, None),
+                ("no-dedup", load_policy("no-dedup"), True, None),
+                ("pre-fix (one model-wide factor)", _pre_fix_policy(), False, None),
+                # The pre-fix policy turns its audit off; audit=True runs it with audit: warn's fallback.
+                ("pre-fix with audit: warn", _pre_fix_policy(), True, True),
             ):
                 _say(f"  running {label} ...")
-                report = run_consistency(policy, HYBRID_ARCHETYPE, tp_size, master=master, clients=clients)
+                report = run_consistency(policy, HYBRID_ARCHETYPE, tp_size, master=master, clients=clients, audit=audit)
                 rows.append((label, report))
                 verdicts.append(report.consistent == expect_consistent)
             _say("  closing the store clients ...")
@@ -107,7 +110,12 @@ def run_demo(*, tp_size: int = 4, with_engine: bool = True) -> int:
                 f"  {label:32} {report.objects_written:>8} {report.bytes_written:>14,} "
                 f"{report.write_amplification:>8.2f}x  {report.hit_tokens:>5} tok  {groups}"
             )
-        _say("  (the pre-fix rule must FAIL: it 'deduplicates' the sharded KDA state and loads another rank's shard)")
+            for group in report.groups:
+                if group.declared_factor > 1:
+                    _say(f"      audit {group.name}: {_audit_line(group)}")
+        _say("  (the pre-fix rule must FAIL: it 'deduplicates' the sharded KDA state and loads another rank's shard;")
+        _say("   with audit: warn the ranks' digests disagree before the first save, the state group falls back to")
+        _say("   factor 1 in its own namespace, and every rank loads its own bytes)")
 
         _step(5, "vLLM (CPU, TP=1): tiny model, cold engine then a fresh warm engine, through KVPolicyConnector")
         if with_engine:
@@ -122,20 +130,54 @@ def run_demo(*, tp_size: int = 4, with_engine: bool = True) -> int:
     return 0 if passed else 1
 
 
-def _engine_run(master: object) -> bool:
+def _audit_line(group: object) -> str:
+    """One line on what the replication audit concluded for a harness group."""
+    status = group.audit  # type: ignore[attr-defined]
+    factor = group.declared_factor  # type: ignore[attr-defined]
+    if status == "agreed":
+        return f"agreed, replicated over {factor} ranks"
+    if status == "demoted":
+        return f"DEMOTED, factor {factor} -> 1: {group.audit_message}"  # type: ignore[attr-defined]
+    if status == "off":
+        return f"off, factor {factor} trusted unchecked"
+    return status
+
+
+def _engine_run(master: MooncakeMaster) -> bool:
     try:
-        from kvpolicy.vllm.e2e import demo_cold_warm
+        from kvpolicy.mooncake.testing import small_client_config
+        from kvpolicy.vllm.e2e import SegmentHolder, engine_store_config, fixed_prompt, serve_once
+        from kvpolicy.vllm.tinymodel import make_tiny_llama
     except ImportError as error:  # vLLM is optional for the demo; the harness above already ran
         _say(f"  skipped: vLLM is not importable here ({error})")
         return True
+    prompt = fixed_prompt()
+    config = {
+        "kv_connector": "KVPolicyConnector",
+        "kv_connector_module_path": "kvpolicy.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvpolicy": "default"},
+    }
     with tempfile.TemporaryDirectory(prefix="kvpolicy-demo-") as workdir:
-        result = demo_cold_warm(master, Path(workdir), policy="default")
+        model = make_tiny_llama(Path(workdir) / "tiny-llama", num_kv_heads=2)
+        store_config = engine_store_config(small_client_config(master), Path(workdir) / "mooncake.json")
+        # Engines mount no segment of their own (so the warm one can read what the cold one wrote after
+        # it exited); this process holds the store's memory.
+        with SegmentHolder(master.rpc_address):
+            results = []
+            for label in ("cold", "warm"):
+                _say(f"  serving the {len(prompt)}-token prompt in a fresh {label} engine process ...")
+                results.append(
+                    serve_once(model, prompt, tp_size=1, kv_transfer_config=config, mooncake_config_path=store_config)
+                )
+    cold, warm = results
+    identical = cold.tokens == warm.tokens
     _say(
-        f"  cold: {result.cold.num_cached_tokens} cached tokens; warm (new process): "
-        f"{result.warm.num_cached_tokens} of {result.prompt_tokens} prompt tokens loaded from Mooncake; "
-        f"greedy tokens identical: {result.tokens_identical}"
+        f"  cold: {cold.num_cached_tokens} tokens loaded; warm: {warm.num_cached_tokens} of {len(prompt)} prompt tokens "
+        f"loaded from Mooncake; greedy tokens identical: {identical}; "
+        f"max |logprob difference| {cold.max_logprob_diff(warm):.2g}"
     )
-    return result.warm.num_cached_tokens > 0 and result.tokens_identical
+    return cold.num_cached_tokens == 0 and warm.num_cached_tokens > 0 and identical
 
 
 if __name__ == "__main__":

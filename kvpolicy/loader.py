@@ -147,7 +147,7 @@ def load_layout(name_or_path: str | FilePath) -> Layout:
 
 def _model_for(data: dict[str, Any], source: SourceMap, problems: list[Diagnostic]) -> type[Policy] | type[Layout] | None:
     kind = data.get("kind")
-    if kind in KINDS:
+    if isinstance(kind, str) and kind in KINDS:  # a list or mapping is not even hashable
         return KINDS[kind]
     guessed = Policy if "rules" in data else Layout if "groups" in data else None
     if kind is None:
@@ -254,7 +254,7 @@ def _warnings_for_raw(data: dict[str, Any], model: type[BaseModel], source: Sour
                 continue
             try:
                 expression = Expression(str(text))
-            except ExpressionError:
+            except ValueError:  # ExpressionError, or str() of a huge integer
                 continue  # already reported by validation
             try:
                 expression.check_names(known)

@@ -7,7 +7,9 @@ show, so one sentence documents the code, the schema and the YAML.
 
 from __future__ import annotations
 
+import math
 import re
+import string
 from enum import Enum
 from functools import cached_property
 from typing import Annotated, Any, Literal
@@ -177,7 +179,16 @@ class KeyFormat(Document):
     @field_validator("template")
     @classmethod
     def _known_fields(cls, template: str) -> str:
-        used = re.findall(r"{([^{}]*)}", template)
+        # Parsed as str.format() will render it: "{{" and "}}" are literal braces, not fields.
+        try:
+            parts = list(string.Formatter().parse(template))
+        except ValueError as error:
+            raise ValueError(f"key template is not a format string: {error}") from None
+        used = [
+            name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            for _, name, spec, conversion in parts
+            if name is not None
+        ]
         unknown = [name for name in used if name not in KEY_TEMPLATE_FIELDS]
         if unknown:
             raise ValueError(
@@ -265,6 +276,9 @@ def expand_layer_pattern(pattern: str) -> tuple[str, ...]:
     low, high = int(found.group(1)), int(found.group(2))
     if high < low or high - low > 100_000:
         raise ValueError(f"layer range {found.group(0)} is empty or too large")
+    total = math.prod(int(b) - int(a) + 1 for a, b in _RANGE.findall(pattern))
+    if total > 100_001:
+        raise ValueError(f"layer pattern '{pattern}' expands to {total} names; at most 100001 are allowed")
     head, tail = pattern[: found.start()], pattern[found.end() :]
     return tuple(name for index in range(low, high + 1) for name in expand_layer_pattern(f"{head}{index}{tail}"))
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from kvpolicy.audit import AuditStatus, initial_statuses
 from kvpolicy.plan import GroupPlan, Plan
 
 
@@ -24,13 +26,27 @@ def _bytes(value: float) -> str:
     raise AssertionError("unreachable")
 
 
-def format_plan_table(plan: Plan) -> str:
-    """A readable table: one row per group, then totals and the fingerprint."""
+def _audit_statuses(plan: Plan, audit: Mapping[int, AuditStatus | str] | None) -> dict[int, str]:
+    """Per group the replication audit's status: given by a running instance, else what a fresh one
+    starts with (``pending`` for groups it will audit, ``off``, ``-`` for factor 1, ``demoted``)."""
+    statuses = initial_statuses(plan) if audit is None else audit
+    return {
+        group.index: AuditStatus(statuses.get(group.index, AuditStatus.NOT_NEEDED)).value for group in plan.groups
+    }
+
+
+def format_plan_table(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = None) -> str:
+    """A readable table: one row per group, then totals and the fingerprint.
+
+    ``audit`` gives each group's replication-audit status (see :class:`~kvpolicy.audit.AuditStatus`);
+    without it the column shows what an instance starting with this plan knows.
+    """
     topology = plan.topology
-    header = ("group", "spec", "rule", "factor", "shards", "writers", "written/token", "no dedup/token")
+    statuses = _audit_statuses(plan, audit)
+    header = ("group", "spec", "rule", "factor", "shards", "writers", "written/token", "no dedup/token", "audit")
     rows = [header]
     for group in plan.groups:
-        rule = ", ".join(group.rules) + (" (audit: demoted)" if group.demoted else "")
+        rule = ", ".join(group.rules)
         rows.append(
             (
                 f"{group.index} {group.name}",
@@ -41,6 +57,7 @@ def format_plan_table(plan: Plan) -> str:
                 _writers(group),
                 _bytes(group.written_bytes_per_token),
                 _bytes(group.undeduplicated_bytes_per_token),
+                statuses[group.index],
             )
         )
     written = sum(group.written_bytes_per_token for group in plan.groups)
@@ -80,8 +97,10 @@ def format_explanation(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def plan_to_json(plan: Plan) -> dict[str, Any]:
+def plan_to_json(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = None) -> dict[str, Any]:
+    """The plan as JSON; each group's ``audit`` field is its audit status (as in :func:`format_plan_table`)."""
     topology = plan.topology
+    statuses = _audit_statuses(plan, audit)
     return {
         "policy": plan.policy,
         "model": plan.model,
@@ -101,6 +120,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
                 "rules": list(group.rules),
                 "origins": list(group.origins),
                 "demoted": group.demoted,
+                "audit": statuses[group.index],
                 "lookup_namespaces": list(group.lookup_namespaces),
                 "ranks": [
                     {

@@ -96,10 +96,20 @@ class _Builder:
             return result
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, (*path, index)) for index, item in enumerate(node.value)]
-        construct = self.constructor.yaml_constructors.get(node.tag)
-        if construct is not None:  # the common case, without construct_object's recursion bookkeeping
-            return construct(self.constructor, node)
-        return self.constructor.construct_object(node, deep=True)
+        return self._scalar(node, deep=True)
+
+    def _scalar(self, node: yaml.Node, *, deep: bool) -> Any:
+        try:
+            construct = self.constructor.yaml_constructors.get(node.tag)
+            if construct is not None:  # the common case, without construct_object's recursion bookkeeping
+                return construct(self.constructor, node)
+            return self.constructor.construct_object(node, deep=deep)
+        except (KeyError, AttributeError, IndexError) as error:
+            # PyYAML's constructors raise these for explicitly tagged scalars they cannot read
+            # (`!!bool "maybe"`, `!!timestamp "x"`); report them like its own constructor errors.
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read {node.value!r} as {node.tag}", node.start_mark
+            ) from error
 
     def _scalar_key(self, node: yaml.Node) -> Any:
         if not isinstance(node, yaml.ScalarNode):
@@ -113,7 +123,7 @@ class _Builder:
                 )
             )
             return None
-        key = self.constructor.construct_object(node)
+        key = self._scalar(node, deep=False)
         return str(key) if not isinstance(key, str) else key
 
 
@@ -156,5 +166,7 @@ def parse(text: str, path: str) -> tuple[Any, SourceMap, list[Diagnostic]]:
     except (yaml.YAMLError, RecursionError, ValueError, TypeError) as error:
         mark = getattr(error, "problem_mark", None)
         line, column = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-        return None, source, [Diagnostic(path, line, column, "error", f"YAML value: {error}")]
+        # A marked error's str() appends its marks on further lines; the diagnostic has them already.
+        detail = getattr(error, "problem", None) or str(error)
+        return None, source, [Diagnostic(path, line, column, "error", f"YAML value: {detail}")]
     return value, source, builder.problems

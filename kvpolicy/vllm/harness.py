@@ -58,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     ChunkedTokenDatabase,
     KeyMetadata,
     LoadSpec,
+    MooncakeLookupResult,
     MooncakeStoreConnectorMetadata,
     ReqMeta,
     RequestTracker,
@@ -92,13 +93,15 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from kvpolicy.audit import AuditState, AuditStatus, initial_statuses
 from kvpolicy.engine import plan as make_plan
 from kvpolicy.keys import KeyContext
-from kvpolicy.models import Layout, Policy, Topology
+from kvpolicy.models import AuditMode, Layout, Policy, Topology
 from kvpolicy.mooncake.client import MiB, ClientConfig, connect_store
 from kvpolicy.mooncake.master import MooncakeMaster
 from kvpolicy.mooncake.metrics import MasterCounters, delta, read_metrics
 from kvpolicy.plan import Plan
+from kvpolicy.vllm import audit as online_audit
 from kvpolicy.vllm import store as plan_store
 from kvpolicy.vllm.layout import layout_from_kv_cache_config
 
@@ -158,6 +161,14 @@ class GroupOutcome:
     ``tp // true_factor`` objects per chunk."""
     blocks_checked: int = 0
     """(rank, block) pairs compared after the load; 0 when nothing was loaded."""
+    audit: str = "-"
+    """The replication audit's status for the group after the cold instance's audited save (a
+    :class:`kvpolicy.audit.AuditStatus` value: ``agreed``, ``demoted``, ``pending`` …); ``-`` for a
+    group with factor 1, ``off`` when the run did not audit."""
+    audit_message: str = ""
+    """For a demoted group: the error the connector's rank 0 logs (group, rule ``file:line``, ranks)."""
+    declared_factor: int = 0
+    """The factor the policy declared, before any demotion (``factor`` is the one the run used)."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +193,12 @@ class HarnessReport:
     """Warm ranks whose receive thread reported the load as failed."""
     put_failures: int = 0
     """Keys whose put the store refused during the cold save."""
+    audited: bool = False
+    """The cold instance ran the replication audit on its save (see ``run_consistency(audit=)``)."""
+    warm_gated: bool = False
+    """The warm instance's lookup gate refused the store: a replicated group no audit had vouched for."""
+    audit_stats: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The audit's entries (``kvpolicy_audit_*``) of cold rank 0's reduced connector stats."""
 
     @property
     def consistent(self) -> bool:
@@ -874,6 +891,7 @@ def run_consistency(
     seed: int = 0,
     clients: ClientPool | None = None,
     save: bool = True,
+    audit: bool | None = None,
 ) -> HarnessReport:
     """Save a ``num_tokens`` prompt from a cold ``tp_size``-rank instance of ``archetype`` under
     ``policy``, load it into a new warm instance, and compare every rank's bytes.
@@ -881,6 +899,15 @@ def run_consistency(
     ``clients`` lends the store clients (see :class:`ClientPool`); without it the run opens
     ``2 * tp_size`` fresh clients and closes them at the end (1–2 s each). ``save=False`` skips the
     cold save, so the warm lookup meets a store without this prompt.
+
+    ``audit``: ``None`` follows the policy's ``audit`` mode, ``True`` audits even under ``off``
+    (with ``warn``'s fallback), ``False`` never audits. The audit is the connector's
+    (:mod:`kvpolicy.vllm.audit`): before the cold save, the ranks digest the blocks they are about
+    to save, :class:`kvpolicy.audit.AuditState` judges the digests, a disagreeing group is demoted
+    and every rank retargeted; ``enforce`` raises :class:`kvpolicy.audit.ReplicationAuditError`.
+    An agreeing audit leaves its agreement markers (outside the measured writes). The warm
+    instance runs the plan the audit produced and, as the connector does, passes its lookup
+    through :class:`kvpolicy.vllm.audit.LookupGate`.
     """
     if archetype not in _ARCHETYPES:
         raise ValueError(f"unknown archetype {archetype!r}; known: {', '.join(ARCHETYPES)}")
@@ -892,7 +919,10 @@ def run_consistency(
     pool = ClientPool(master) if own_pool else clients
     assert pool is not None
     try:
-        return _run(policy, archetype, tp_size, pool=pool, master=master, num_tokens=num_tokens, seed=seed, save=save)
+        return _run(
+            policy, archetype, tp_size, pool=pool, master=master, num_tokens=num_tokens, seed=seed, save=save,
+            audit=audit,
+        )
     finally:
         if own_pool:
             pool.close()
@@ -908,6 +938,7 @@ def _run(
     num_tokens: int,
     seed: int,
     save: bool,
+    audit: bool | None = None,
 ) -> HarnessReport:
     # Every run gets its own key space, so runs sharing a master never see each other's objects.
     run_id = f"kvh{uuid.uuid4().hex[:12]}"
@@ -921,6 +952,8 @@ def _run(
     )
     context = KeyContext.for_model(model.name, cache_prefix=run_id if in_prefix else "")
     plan = make_plan(policy, layout, Topology(tp_size=tp_size), key_context=context)
+    declared = plan
+    audit_state = _audit_state(policy, plan, layout, context, audit)
 
     generator = torch.Generator().manual_seed(_seed_of("tokens", seed))
     token_ids = torch.randint(0, 32_000, (num_tokens,), generator=generator).tolist()
@@ -935,6 +968,9 @@ def _run(
         cold_tables = _block_tables(model, num_tokens, seed=seed, salt=f"{run_id}/cold", mamba_nulls=True)
         for rank in cold:
             _fill_cold(rank, model, cold_tables, hashes, seed)
+        if audit_state is not None and save:
+            # Before the measured window: the agreement markers are not the save's writes.
+            plan = _audit_cold(audit_state, model, cold, cold_tables, hashes, num_tokens, req_id)
 
         before, allocated_before = _counters(master)
         if save:
@@ -959,7 +995,13 @@ def _run(
         warm = [_start_rank(model, plan, rank, client) for rank, client in enumerate(leased[tp_size:])]
         # vLLM's lookup (LookupKeyServer calls it on worker rank 0): every namespace of the plan's
         # lookup set must hold a chunk, then the coordinator takes the longest prefix all groups hit.
-        lookup = warm[0].worker.lookup(num_tokens, hashes)
+        warm_gated = False
+        if audit_state is not None:
+            # A fresh instance of the audited plan: its lookups pass the connector's gate
+            # (KVPolicyStoreWorker.lookup), which needs the cold instance's agreement markers.
+            fresh = AuditState(plan, replan=lambda demoted: plan, mode=audit_state.mode, steps=audit_state.steps)
+            warm_gated = not online_audit.LookupGate().open(fresh, warm[0].store)
+        lookup = MooncakeLookupResult(0) if warm_gated else warm[0].worker.lookup(num_tokens, hashes)
         hit_tokens = lookup.hit_length
         warm_tables = _block_tables(model, num_tokens, seed=seed, salt=f"{run_id}/warm", mamba_nulls=False)
         failed: list[int] = []
@@ -977,9 +1019,18 @@ def _run(
 
         outcomes = _compare(model, plan, cold, warm, cold_tables, warm_tables, masks, hashes)
         writes = _writes_by_group(plan, cold)
+        statuses = audit_state.statuses if audit_state is not None else initial_statuses(plan, mode=AuditMode.OFF)
+        messages = {
+            group: message
+            for step in (audit_state.history if audit_state is not None else ())
+            for group, message in zip(step.demoted, step.messages, strict=True)
+        }
         groups = tuple(
             dataclasses.replace(
                 outcome,
+                audit=statuses[outcome.index].value,
+                audit_message=messages.get(outcome.index, ""),
+                declared_factor=declared.groups[outcome.index].factor,
                 objects_written=len(writes[outcome.index]),
                 bytes_written=sum(writes[outcome.index].values()),
                 unique_bytes=(tp_size // outcome.true_factor)
@@ -1000,6 +1051,13 @@ def _run(
             num_tokens=num_tokens,
             load_failed_ranks=tuple(failed),
             put_failures=sum(1 for rank in cold for _, _, code in rank.store.puts if code < 0),
+            audited=audit_state is not None and save,
+            warm_gated=warm_gated,
+            audit_stats={
+                name: value
+                for name, value in cold[0].worker.kv_connector_stats.reduce().items()
+                if name.startswith(online_audit.AUDIT_STATS_OPERATION)
+            },
         )
     finally:
         for rank in (*cold, *warm):
@@ -1007,6 +1065,58 @@ def _run(
         if leased:
             leased[0].remove_by_regex(f".*{run_id}.*", True)
         pool.release(leased)
+
+
+def _audit_state(policy: Policy, plan: Plan, layout: Layout, context: KeyContext, audit: bool | None) -> AuditState | None:
+    """The cold instance's audit, or None when the run does not audit (see ``run_consistency``)."""
+    if audit is False:
+        return None
+    forced = audit is True and (policy.audit.mode is AuditMode.OFF or policy.audit.steps == 0)
+    state = AuditState(
+        plan,
+        replan=lambda demoted: make_plan(policy, layout, plan.topology, key_context=context, demoted=demoted),
+        mode=AuditMode.WARN if forced else None,
+        steps=max(1, policy.audit.steps) if forced else None,
+    )
+    return None if state.mode is AuditMode.OFF else state
+
+
+def _audit_cold(
+    state: AuditState,
+    model: _Model,
+    cold: Sequence[_Rank],
+    tables: tuple[list[int], ...],
+    hashes: list[BlockHash],
+    num_tokens: int,
+    req_id: str,
+) -> Plan:
+    """The connector's audited step (``KVPolicyStoreWorker.wait_for_save``) on the simulated ranks:
+    the same blocks, digests, value samples, verdicts, fallback and markers; the collectives are lists."""
+    coord = cold[0].worker.coord
+    metadata = _save_meta(model, tables, hashes, num_tokens, req_id, 0, coord)
+    blocks = online_audit.blocks_to_audit(metadata, coord, state.groups_to_audit())
+    if not blocks:
+        return state.plan
+    readers = [online_audit.BlockReader(rank.kv_caches) for rank in cold]
+    layer_names = {index: group.layer_names for index, group in enumerate(cold[0].worker._kv_cache_groups)}
+    outcome = online_audit.conclude_step(  # raises ReplicationAuditError under enforce
+        state,
+        lambda: [
+            online_audit.encode_report(online_audit.local_digests(rank.worker.token_dbs, reader, blocks))
+            for rank, reader in zip(cold, readers, strict=True)
+        ],
+        lambda groups: [
+            online_audit.local_samples(rank.worker.token_dbs, reader, blocks, layer_names, groups)
+            for rank, reader in zip(cold, readers, strict=True)
+        ],
+    )
+    if outcome.plan_changed:
+        for rank in cold:
+            online_audit.retarget(rank.worker, outcome.plan)
+    online_audit.record_stats(cold[0].worker, blocks, 0.0, demoted=len(outcome.demoted))
+    agreed = [group for group, status in state.statuses.items() if status is AuditStatus.AGREED]
+    online_audit.write_agreements(cold[0].store, outcome.plan, agreed)
+    return outcome.plan
 
 
 def _writes_by_group(plan: Plan, ranks: Sequence[_Rank]) -> list[dict[str, int]]:

@@ -1,8 +1,11 @@
-"""vLLM's Mooncake store worker with factors, keys, put schedules and lookups taken from a plan."""
+"""vLLM's Mooncake store worker with factors, keys, put schedules and lookups taken from a plan,
+and the online replication audit (see :mod:`kvpolicy.vllm.audit`)."""
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,17 +14,22 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     ChunkedTokenDatabase,
     KeyMetadata,
+    MooncakeLookupResult,
+    MooncakeStoreConnectorMetadata,
     TPShardedStoreLayout,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import MooncakeStoreWorker
 from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_utils import BlockHash
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
+from kvpolicy.audit import AuditState, AuditStatus, ReplicationAuditError, StepOutcome
 from kvpolicy.engine import plan as make_plan
 from kvpolicy.keys import KeyContext, model_basename
 from kvpolicy.models import Policy, Topology
 from kvpolicy.plan import Plan
 from kvpolicy.report import format_plan_table, plan_to_json
+from kvpolicy.vllm import audit as online_audit
 from kvpolicy.vllm import store
 from kvpolicy.vllm.layout import layout_from_kv_cache_config
 
@@ -29,7 +37,11 @@ from kvpolicy.vllm.layout import layout_from_kv_cache_config
 logger = init_logger(f"vllm.{__name__}")
 
 PLAN_JSON_KEY = "kvpolicy_plan_json"
-"""``kv_connector_extra_config`` key naming a file rank 0 writes the plan to, as JSON."""
+"""``kv_connector_extra_config`` key naming a file rank 0 writes the plan to, as JSON (rewritten
+after every audited step that changes a group's audit status)."""
+
+AUDIT_STATS_OPERATION = online_audit.AUDIT_STATS_OPERATION
+AUDIT_DEMOTED_OPERATION = online_audit.AUDIT_DEMOTED_OPERATION
 
 
 class KVPolicyStoreWorker(MooncakeStoreWorker):
@@ -38,6 +50,13 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
     The plan is made once, from this worker's own ``KVCacheConfig`` and parallel sizes, the first
     time upstream asks for replication factors; token databases and lookup prefixes follow from it,
     and the send thread's put schedule is replaced after ``register_kv_caches``.
+
+    The replication audit runs in :meth:`wait_for_save`, before a step's save reaches the send
+    thread: on the first ``audit.steps`` steps that save blocks of a group with factor > 1, the
+    TP ranks compare digests of those blocks; a group whose replica sets disagree is re-planned
+    with factor 1 (new fingerprint, its own namespace) or, under ``enforce``, stops the engine.
+    Until its audit agreed, a lookup uses a replicated group's shared namespace only where
+    another instance vouched for it (:class:`kvpolicy.vllm.audit.LookupGate`).
     """
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, policy: Policy) -> None:
@@ -59,11 +78,21 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._cache_prefix = cache_prefix
         self._store_namespace = ""
         self._plan: Plan | None = None
+        self._audit: AuditState | None = None
+        self._gate = online_audit.LookupGate()
+        self._gate_logged = False
+        self._block_reader: online_audit.BlockReader | None = None
+        self._plan_json_path: Path | None = None
 
     @property
     def plan(self) -> Plan | None:
         """The plan this worker runs; None only for a capacity-only instance, which transfers no KV."""
         return self._plan
+
+    @property
+    def audit(self) -> AuditState | None:
+        """The replication audit's state; None before planning and on a capacity-only instance."""
+        return self._audit
 
     def _require_plan(self) -> Plan:
         if self._plan is None:
@@ -99,7 +128,14 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             tp_size=self.tp_size, pp_size=self.pp_size, pcp_size=self.pcp_size, dcp_size=self.dcp_size
         )
         context = KeyContext.for_model(self._model, self._cache_prefix, self._store_namespace)
-        result = make_plan(self._policy, layout, topology, key_context=context)
+        policy = self._policy
+
+        def replan(demoted: frozenset[int]) -> Plan:
+            return make_plan(policy, layout, topology, key_context=context, demoted=demoted)
+
+        result = replan(frozenset())
+        self._audit = AuditState(result, replan=replan)
+        self._gate = online_audit.LookupGate(pcp_rank=self.pcp_rank, pp_rank=self.pp_rank)
         if len(result.groups) != len(self._kv_cache_groups):
             raise RuntimeError(
                 f"kvpolicy planned {len(result.groups)} groups but the store coordinator has "
@@ -141,6 +177,9 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
+        if self._capacity_only or not kv_caches:
+            return
+        self._block_reader = online_audit.BlockReader(kv_caches)
         if self.kv_send_thread is None:
             return
         # Upstream builds and starts the send thread inline in register_kv_caches, with put steps =
@@ -155,10 +194,191 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
 
     # --- reporting -------------------------------------------------------------------------------
 
+    def _statuses(self) -> dict[int, AuditStatus] | None:
+        return None if self._audit is None else self._audit.statuses
+
     def _report_plan(self, json_path: object) -> None:
         plan = self._require_plan()
-        logger.info("kvpolicy plan (policy %s):\n%s", self._policy.name, format_plan_table(plan))
+        logger.info(
+            "kvpolicy plan (policy %s):\n%s", self._policy.name, format_plan_table(plan, audit=self._statuses())
+        )
         if json_path:
-            path = Path(str(json_path))
-            path.write_text(json.dumps(plan_to_json(plan), indent=2) + "\n", encoding="utf-8")
-            logger.info("kvpolicy plan written to %s", path)
+            self._plan_json_path = Path(str(json_path))
+            self._write_plan_json()
+            logger.info("kvpolicy plan written to %s", self._plan_json_path)
+
+    def _write_plan_json(self) -> None:
+        if self._plan_json_path is None:
+            return
+        payload = plan_to_json(self._require_plan(), audit=self._statuses())
+        if self._audit is not None and self._audit.history:
+            payload["audit"]["steps_done"] = self._audit.steps_done
+            payload["audit"]["errors"] = [message for step in self._audit.history for message in step.messages]
+        self._plan_json_path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+    # --- the replication audit -------------------------------------------------------------------
+
+    def wait_for_save(self, metadata: MooncakeStoreConnectorMetadata) -> None:
+        # The audit first, so that a demoted group's blocks of this very step go to its own namespace.
+        if not self._capacity_only and self.can_put:
+            self._audit_step(metadata)
+        super().wait_for_save(metadata)
+
+    def _audit_step(self, metadata: MooncakeStoreConnectorMetadata) -> None:
+        """One audited step, if this is one. Every TP rank reaches the same decision from the same
+        metadata and state, so either all ranks enter the collective or none does."""
+        state = self._audit
+        if state is None:
+            return
+        groups = state.groups_to_audit()
+        if not groups:
+            return
+        blocks = online_audit.blocks_to_audit(metadata, self.coord, groups)
+        if not blocks:
+            return
+        started = time.perf_counter()
+        timings: dict[str, float] = {}
+
+        def collect_reports() -> list[online_audit.Report]:
+            report: online_audit.Report = None
+            try:
+                if self._block_reader is None:
+                    raise RuntimeError("no KV caches registered")
+                report = online_audit.encode_report(
+                    online_audit.local_digests(self.token_dbs, self._block_reader, blocks)
+                )
+            except Exception:
+                # Still join the collective: a rank that skipped it would hang every other rank.
+                logger.exception("kvpolicy audit: tp rank %d could not digest its blocks", self.tp_rank)
+            timings["digest"] = time.perf_counter() - started
+            gathered = online_audit.gather_over_tp(report)
+            timings["gather"] = time.perf_counter() - started - timings["digest"]
+            return gathered
+
+        def collect_samples(groups: tuple[int, ...]) -> list[online_audit.Samples]:
+            began = time.perf_counter()
+            samples: online_audit.Samples = None
+            try:
+                assert self._block_reader is not None
+                layer_names = {group: self._kv_cache_groups[group].layer_names for group in groups}
+                samples = online_audit.local_samples(
+                    self.token_dbs, self._block_reader, blocks, layer_names, groups
+                )
+            except Exception:
+                logger.exception("kvpolicy audit: tp rank %d could not sample its blocks", self.tp_rank)
+            gathered = online_audit.gather_over_tp(samples)
+            timings["values"] = time.perf_counter() - began
+            return gathered
+
+        try:
+            outcome = online_audit.conclude_step(state, collect_reports, collect_samples)
+        except ReplicationAuditError as error:
+            if self.tp_rank == 0:
+                logger.error("%s (audit: enforce stops the engine)", error)
+                online_audit.record_stats(self, blocks, time.perf_counter() - started, demoted=len(error.audits))
+            raise
+        if outcome.plan_changed:
+            # No save or load may straddle the change of namespaces.
+            online_audit.drain(self)
+            online_audit.retarget(self, outcome.plan)
+            self._plan = outcome.plan
+        if self.tp_rank == 0:
+            self._after_audit(outcome, blocks, started, timings)
+
+    def _after_audit(
+        self,
+        outcome: StepOutcome,
+        blocks: Mapping[int, Sequence[int]],
+        started: float,
+        timings: Mapping[str, float],
+    ) -> None:
+        """Rank 0's side effects of an audited step; nothing here feeds back into the audit."""
+        state = self._audit
+        assert state is not None
+        seconds = time.perf_counter() - started  # digest, collective, verdict and any fallback
+        for message in outcome.messages:
+            logger.error(
+                "%s; falling back to factor 1 for this instance (own namespace, plan fingerprint %s -> %s)",
+                message,
+                outcome.previous_plan.fingerprint,
+                outcome.plan.fingerprint,
+            )
+        if outcome.failed_ranks:
+            logger.warning(
+                "kvpolicy audit step %d: ranks %s could not digest their blocks; this step proves nothing",
+                outcome.step,
+                ",".join(map(str, outcome.failed_ranks)),
+            )
+        verdicts = ", ".join(
+            f"group {audit.group} {audit.verdict.value}"
+            + (f" within rounding (relative distance {audit.distance:.1e})" if audit.distance else "")
+            for audit in outcome.audits
+        )
+        logger.info(
+            "kvpolicy audit step %d/%d: %d blocks per rank (%s); digest %.2f ms, gather %.2f ms, total %.2f ms%s",
+            outcome.step,
+            state.steps,
+            sum(len(ids) for ids in blocks.values()),
+            verdicts or "no verdict",
+            timings.get("digest", 0.0) * 1e3,
+            timings.get("gather", 0.0) * 1e3,
+            seconds * 1e3,
+            f" (values compared: {timings['values'] * 1e3:.2f} ms)" if "values" in timings else "",
+        )
+        for group in outcome.unverified:
+            logger.warning(
+                "kvpolicy audit: group %d (%s) saved only all-zero blocks in %d audited steps; its rule stays "
+                "unverified, and lookups use its shared namespace only where another instance vouched for it",
+                group,
+                outcome.plan.groups[group].name,
+                state.steps,
+            )
+        self._publish_agreements(outcome)
+        online_audit.record_stats(self, blocks, seconds, demoted=len(outcome.demoted))
+        if outcome.plan_changed:
+            logger.info("kvpolicy plan after the audit:\n%s", format_plan_table(outcome.plan, audit=state.statuses))
+        if outcome.plan_changed or outcome.agreed or outcome.unverified:
+            self._write_plan_json()
+
+    def _publish_agreements(self, outcome: StepOutcome) -> None:
+        """Vouch for the groups this instance verified (so fresh instances may load them), and
+        withdraw what a demotion disproved."""
+        state = self._audit
+        assert state is not None
+        agreed = outcome.agreed
+        if outcome.plan_changed:
+            # New fingerprint, new marker keys: vouch again for everything still agreed.
+            agreed = tuple(group for group, status in state.statuses.items() if status is AuditStatus.AGREED)
+        try:
+            if outcome.demoted:
+                online_audit.revoke_agreements(
+                    self.store, outcome.previous_plan, outcome.demoted, pcp_rank=self.pcp_rank, pp_rank=self.pp_rank
+                )
+            if agreed:
+                online_audit.write_agreements(
+                    self.store, outcome.plan, agreed, pcp_rank=self.pcp_rank, pp_rank=self.pp_rank
+                )
+        except Exception:
+            logger.exception("kvpolicy audit: could not update the agreement markers")
+
+    # --- the lookup gate -------------------------------------------------------------------------
+
+    def lookup(self, num_tokens: int, block_hashes: Sequence[BlockHash]) -> MooncakeLookupResult:
+        state = self._audit
+        if state is not None and not self._capacity_only:
+            try:
+                is_open = self._gate.open(state, self.store)
+            except Exception:
+                logger.exception("kvpolicy audit: could not check the agreement markers; treating as a miss")
+                is_open = False
+            if not is_open:
+                if not self._gate_logged:
+                    self._gate_logged = True
+                    logger.info(
+                        "kvpolicy audit: lookups miss until the replication audit verifies groups %s "
+                        "(no other instance of plan %s has vouched for them yet)",
+                        ", ".join(map(str, state.untrusted_groups())) or "(other pp/pcp stages)",
+                        state.plan.fingerprint,
+                    )
+                return MooncakeLookupResult(0)
+        return super().lookup(num_tokens, block_hashes)

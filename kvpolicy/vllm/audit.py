@@ -1,0 +1,521 @@
+"""The vLLM half of the replication audit: which blocks to compare, reading them, the collective,
+the fallback, and the lookup gate.
+
+The pure half (digests, verdicts, the per-instance :class:`~kvpolicy.audit.AuditState`) lives in
+:mod:`kvpolicy.audit`. Here:
+
+* :func:`blocks_to_audit` picks, from the connector metadata alone, the blocks of each audited group
+  that this step saves. The metadata is broadcast by the scheduler and identical on every TP rank,
+  so every rank picks the same block ids, and every rank decides the same way whether this step
+  is audited at all — the decision that must never differ between ranks (see "Deadlocks" below).
+* :class:`BlockReader` reads those blocks generically: ``token_db.prepare_value_for_block`` gives
+  the (address, size) regions the store would write, and the reader slices a uint8 view of the
+  registered KV tensors' storage there. On a GPU only the audited blocks are copied to the host,
+  in one copy per group, on the current stream (so after the forward that wrote them).
+* :func:`conclude_step` runs the comparison in one or two collectives (:func:`gather_over_tp`:
+  ``all_gather_object`` over vLLM's TP group, ``get_tp_group().cpu_group``, gloo). First every
+  rank's digests (a few dozen bytes per group). Equal digests settle it. Where a replica set's
+  digests differ, a second gather brings an evenly strided sample of each rank's values
+  (:data:`SAMPLE_VALUES`), compared with :data:`kvpolicy.audit.REPLICA_TOLERANCE`: replicated
+  caches are not always bit-identical — vLLM's CPU all-reduce at TP=4 sums in a rank-dependent
+  order, and the replicas' KV then differ in the last bits (measured on a real TP=4 engine:
+  relative distance 9e-8, where distinct heads are ~1.4 apart). Without this the audit would
+  demote correct rules there.
+* :func:`retarget` moves a worker to the plan the audit produced: token databases (key
+  prefixes, shard ids), lookup prefixes, factors, and the send thread's put steps and
+  participation.
+* :class:`LookupGate`: before an instance has verified a replicated group itself, a lookup may use
+  the group's shared namespace only when another instance running the same plan left an
+  :func:`~kvpolicy.audit.agreement_key` there. Without it, the first request of a fresh instance
+  could load objects a trusting (``audit: off``) instance wrote under a wrong rule before this
+  instance's audit ever ran.
+
+**The cap.** At most :data:`AUDIT_REQUESTS_PER_STEP` saving requests per step (in metadata order)
+and the last :data:`AUDIT_BLOCKS_PER_REQUEST` blocks each request saves for a group are digested:
+at most 8 blocks per group per audited step, whatever the prompt length, and audited steps stop
+after the policy's ``audit.steps``. The last blocks are the ones this step computed.
+
+**Deadlocks.** Every TP rank must make the same collective calls in the same steps. Whether a
+step is audited depends only on (a) the connector metadata, identical on all ranks, and (b) the
+:class:`AuditState`, which changes only in ``conclude`` from the gathered digests of *all* ranks,
+so it is identical on all ranks too. Nothing rank-local feeds the decision: not the put schedule
+(under ``striped`` or ``leader`` ranks write different chunks, but all digest the same blocks),
+not the send thread's resume offsets, not whether a digest succeeded (a rank that fails to
+digest still joins the collective and reports ``None``; then nobody judges that step), not the
+lookup gate (it reads agreement markers but never changes what is audited), not the rank
+(rank 0 alone logs, writes markers and records stats — after the collective, and none of that
+feeds back). The second gather happens or not by a decision taken from the first gather's result,
+which every rank holds identically; a rank that cannot sample still joins it (reporting ``None``,
+which cannot pass as close).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from array import array
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+    ChunkedTokenDatabase,
+    MooncakeStoreConnectorMetadata,
+)
+from vllm.utils.math_utils import cdiv
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+
+from kvpolicy.audit import (
+    UNTRUSTED,
+    AuditState,
+    AuditStatus,
+    Digest,
+    StepOutcome,
+    agreement_key,
+    digest_blocks,
+    distances_to_reference,
+)
+from kvpolicy.plan import Plan
+from kvpolicy.vllm import store as plan_store
+
+__all__ = [
+    "AUDIT_BLOCKS_PER_REQUEST",
+    "AUDIT_DEMOTED_OPERATION",
+    "AUDIT_STATS_OPERATION",
+    "AUDIT_REQUESTS_PER_STEP",
+    "BlockReader",
+    "LookupGate",
+    "SAMPLE_VALUES",
+    "blocks_to_audit",
+    "conclude_step",
+    "decode_report",
+    "decode_samples",
+    "drain",
+    "encode_report",
+    "gather_over_tp",
+    "local_digests",
+    "local_samples",
+    "record_stats",
+    "retarget",
+    "revoke_agreements",
+    "tensor_distance",
+    "write_agreements",
+]
+
+AUDIT_REQUESTS_PER_STEP = 4
+"""Saving requests per step whose blocks are digested (the first ones in the metadata)."""
+AUDIT_BLOCKS_PER_REQUEST = 2
+"""Blocks per request and group digested: the last ones the request saves this step."""
+SAMPLE_VALUES = 16_384
+"""Values per rank and group sent when a replica set's digests differ (64 KiB as float32): an
+evenly strided sample of the audited blocks' values, compared with a tolerance for rounding."""
+
+AUDIT_STATS_OPERATION = "kvpolicy_audit"
+"""Connector-stats operation recorded (by TP rank 0) once per audited step, in the same
+``MooncakeStoreConnectorStats`` as the store's own operations: ``num_keys`` = blocks digested per
+rank, ``num_bytes`` = bytes digested per rank, ``num_failed_keys`` = groups demoted, status ``ok``
+or ``mismatch``. vLLM reduces it to ``kvpolicy_audit_count`` (audited steps), ``…_avg_ms`` and
+``…_p90_ms`` (cost per step) and ``…_failed_keys``; Prometheus gets it as one more ``operation``."""
+AUDIT_DEMOTED_OPERATION = "kvpolicy_audit_demoted"
+"""Recorded once per demoted group: ``kvpolicy_audit_demoted_count`` counts the demoted groups."""
+
+Report = dict[int, tuple[str, bool]] | None
+"""What one rank sends in the first collective: group → (digest hex, all zero); None when it failed."""
+Samples = dict[int, bytes] | None
+"""What one rank sends in the second collective: group → float32 values; None when it failed."""
+
+
+# --- which blocks ----------------------------------------------------------------------------------
+
+
+def blocks_to_audit(
+    metadata: MooncakeStoreConnectorMetadata,
+    coord: Any,
+    groups: Iterable[int],
+    *,
+    max_requests: int = AUDIT_REQUESTS_PER_STEP,
+    per_request: int = AUDIT_BLOCKS_PER_REQUEST,
+) -> dict[int, list[int]]:
+    """Per audited group, the block ids this step saves whose bytes the replica sets compare.
+
+    A pure function of the metadata and the store coordinator (both identical on every TP rank).
+    Mirrors what the send thread saves: the positional chunks from the request's previous save
+    point to its block-aligned length, under the coordinator's store mask, skipping null blocks;
+    and the boundary puts (Mamba states, partial tails), which are blocks handed over by id.
+    Groups with nothing to save this step are absent; an empty result means "not an audited step".
+    """
+    wanted = tuple(groups)
+    if not wanted:
+        return {}
+    selected: dict[int, list[int]] = {}
+    requests = 0
+    for request in metadata.requests:
+        if requests >= max_requests:
+            break
+        if not request.can_save or not request.block_hashes:
+            continue
+        per_group = _request_blocks(request, coord, wanted)
+        if not any(per_group.values()):
+            continue
+        requests += 1
+        for group, block_ids in per_group.items():
+            if block_ids:
+                selected.setdefault(group, []).extend(block_ids[-per_request:])
+    return selected
+
+
+def _request_blocks(request: Any, coord: Any, groups: tuple[int, ...]) -> dict[int, list[int]]:
+    lcm_block_size = coord.lcm_block_size
+    token_len = request.token_len_chunk // lcm_block_size * lcm_block_size
+    start = request.token_ids_start
+    hash_block_size = coord.hash_block_size
+    num_hashes = len(request.block_hashes)
+    masks = coord.store_mask(token_len, start, num_prompt_tokens=request.prefill_end_tokens) if token_len else None
+    found: dict[int, list[int]] = {group: [] for group in groups}
+    for group in groups:
+        if token_len == 0 or masks is None:
+            break
+        block_size = coord.kv_cache_groups[group].kv_cache_spec.block_size
+        table = request.block_ids[group]
+        mask = masks[group]
+        first = cdiv(start, block_size)
+        last = cdiv(token_len, block_size)
+        if mask is not None:
+            last = min(last, first + len(mask))
+        for chunk in range(first, last):
+            if mask is not None and not mask[chunk - first]:
+                continue
+            end = min((chunk + 1) * block_size, token_len)
+            if end // hash_block_size > num_hashes or chunk >= len(table) or table[chunk] == NULL_BLOCK_ID:
+                continue
+            found[group].append(table[chunk])
+    for group, block_id, num_tokens in request.boundary_puts or ():
+        if group not in found or block_id == NULL_BLOCK_ID or num_tokens <= 0:
+            continue
+        if num_tokens // hash_block_size > num_hashes:
+            continue
+        found[group].append(block_id)
+    return found
+
+
+# --- reading them ----------------------------------------------------------------------------------
+
+
+class BlockReader:
+    """Reads byte ranges of registered KV-cache tensors by address.
+
+    Built from the ``kv_caches`` dict the model runner hands to ``register_kv_caches`` (a tensor,
+    or a list of tensors sharing one storage, per layer); every address a token database produces
+    lies in one of their storages.
+    """
+
+    def __init__(self, kv_caches: Mapping[str, Any]) -> None:
+        self._kv_caches = dict(kv_caches)
+        storages: dict[int, torch.Tensor] = {}
+        for value in kv_caches.values():
+            for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                storage = tensor.untyped_storage()
+                pointer = storage.data_ptr()
+                if pointer not in storages:
+                    # A flat uint8 view of the whole storage (shares memory; nothing is copied).
+                    storages[pointer] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+        self._starts = sorted(storages)
+        self._views = [storages[start] for start in self._starts]
+
+    def _slice(self, address: int, size: int) -> torch.Tensor:
+        index = bisect.bisect_right(self._starts, address) - 1
+        if index < 0:
+            raise ValueError(f"address {address:#x} is outside every registered KV-cache tensor")
+        view = self._views[index]
+        offset = address - self._starts[index]
+        if offset + size > view.numel():
+            raise ValueError(f"bytes {address:#x}+{size} run past a registered KV-cache tensor")
+        return view[offset : offset + size]
+
+    def tensors(self, layer_names: Iterable[str]) -> list[torch.Tensor]:
+        """The registered tensors of these layers (a Mamba layer has one per state)."""
+        found: list[torch.Tensor] = []
+        for name in layer_names:
+            value = self._kv_caches[name]
+            found.extend(value if isinstance(value, (list, tuple)) else (value,))
+        return found
+
+    def values(
+        self, database: ChunkedTokenDatabase, block_ids: Sequence[int], tensors: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        """The blocks' values as numbers (on the tensors' device), for comparing with a tolerance.
+
+        With one dtype among the group's tensors (attention), the token database's regions are read
+        as that dtype, whatever the tensors' shape. With several (a Mamba layer's states), each state
+        tensor is indexed by block id along its first dimension, vLLM's layout for state tensors.
+        """
+        dtypes = {tensor.dtype for tensor in tensors}
+        if len(dtypes) == 1:
+            (dtype,) = dtypes
+            addresses, sizes = _regions(database, block_ids)
+            raw = torch.cat([self._slice(address, size) for address, size in zip(addresses, sizes, strict=True)])
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            return raw[: raw.numel() // itemsize * itemsize].view(dtype).reshape(-1)
+        parts = []
+        for tensor in tensors:
+            index = torch.tensor(list(block_ids), device=tensor.device, dtype=torch.long)
+            parts.append(tensor.index_select(0, index).reshape(-1).float())
+        return torch.cat(parts)
+
+    def read(self, addresses: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
+        """The bytes at ``addresses`` (``sizes`` each) on the host, in order.
+
+        CPU tensors are read in place; device tensors are sliced on the device and copied to the
+        host once, all regions together.
+        """
+        slices = [self._slice(address, size) for address, size in zip(addresses, sizes, strict=True)]
+        if not slices:
+            return []
+        if all(piece.device.type == "cpu" for piece in slices):
+            return [memoryview(piece.numpy()) for piece in slices]
+        # Stream-ordered: the copy waits for the forward pass that wrote these blocks.
+        host = torch.cat([piece.reshape(-1) for piece in slices]).cpu()
+        return [memoryview(host.numpy())]
+
+
+def _regions(database: ChunkedTokenDatabase, block_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(addresses, sizes) of every region of every block, in order: what the store would write."""
+    addresses: list[int] = []
+    sizes: list[int] = []
+    for block_id in block_ids:
+        block_addresses, block_sizes = database.prepare_value_for_block(block_id)
+        addresses.extend(block_addresses)
+        sizes.extend(block_sizes)
+    return addresses, sizes
+
+
+def local_digests(
+    token_dbs: Sequence[ChunkedTokenDatabase], reader: BlockReader, blocks: Mapping[int, Sequence[int]]
+) -> dict[int, Digest]:
+    """This rank's digest of ``blocks`` per group: every region of every block, in order."""
+    return {
+        group: digest_blocks(reader.read(*_regions(token_dbs[group], block_ids))) for group, block_ids in blocks.items()
+    }
+
+
+def local_samples(
+    token_dbs: Sequence[ChunkedTokenDatabase],
+    reader: BlockReader,
+    blocks: Mapping[int, Sequence[int]],
+    layer_names: Mapping[int, Sequence[str]],
+    groups: Iterable[int],
+    *,
+    limit: int = SAMPLE_VALUES,
+) -> dict[int, bytes]:
+    """This rank's sampled values of ``blocks`` for ``groups``, as float32 bytes: every
+    ``ceil(n / limit)``-th value, so every rank of a group samples the same positions."""
+    samples: dict[int, bytes] = {}
+    for group in groups:
+        values = reader.values(token_dbs[group], blocks[group], reader.tensors(layer_names[group]))
+        step = max(1, -(-values.numel() // limit))
+        samples[group] = values[::step][:limit].to(device="cpu", dtype=torch.float32).numpy().tobytes()
+    return samples
+
+
+def tensor_distance(a: Sequence[float], b: Sequence[float]) -> float:
+    """:func:`kvpolicy.audit.relative_distance`, vectorised with torch (float64)."""
+    if len(a) != len(b):
+        return math.inf
+    if not len(a):
+        return 0.0
+    x = torch.as_tensor(a, dtype=torch.float64)
+    y = torch.as_tensor(b, dtype=torch.float64)
+    keep = ~(x.isnan() & y.isnan())
+    x, y = x[keep], y[keep]
+    scale = max(float(x.dot(x)), float(y.dot(y)))
+    if scale == 0:
+        return 0.0
+    return math.sqrt(float((x - y).square().sum()) / scale)
+
+
+def decode_samples(samples: Samples) -> dict[int, array] | None:
+    if samples is None:
+        return None
+    decoded: dict[int, array] = {}
+    for group, data in samples.items():
+        values = array("f")
+        values.frombytes(data)
+        decoded[int(group)] = values
+    return decoded
+
+
+def encode_report(digests: Mapping[int, Digest] | None) -> Report:
+    """A rank's digests as plain, picklable data for the collective."""
+    if digests is None:
+        return None
+    return {group: (digest.value, digest.all_zero) for group, digest in digests.items()}
+
+
+def decode_report(report: Report) -> dict[int, Digest] | None:
+    if report is None:
+        return None
+    return {int(group): Digest(str(value), bool(all_zero)) for group, (value, all_zero) in report.items()}
+
+
+def gather_over_tp(payload: Any) -> list[Any]:
+    """Every TP rank's payload, indexed by TP rank: one ``all_gather_object`` over the TP group's
+    CPU (gloo) group. Every rank of the group must call it, in the same step."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    gathered: list[Any] = [None] * group.world_size
+    torch.distributed.all_gather_object(gathered, payload, group=group.cpu_group)
+    return gathered
+
+
+def conclude_step(
+    state: AuditState,
+    collect_reports: Callable[[], Sequence[Report]],
+    collect_samples: Callable[[tuple[int, ...]], Sequence[Samples]],
+) -> StepOutcome:
+    """One audited step, given how to collect every rank's digests and, if needed, samples.
+
+    ``collect_reports()`` returns every TP rank's :data:`Report` (the connector: one
+    :func:`gather_over_tp`); when some replica set's digests differ, ``collect_samples(groups)``
+    returns every rank's :data:`Samples` for those groups (a second gather), so that rounding
+    differences (:data:`kvpolicy.audit.REPLICA_TOLERANCE`) are not mistaken for a wrong rule.
+    Whether the second gather happens is decided from the first one's result, which every rank
+    holds identically. Raises :class:`~kvpolicy.audit.ReplicationAuditError` under ``enforce``.
+    """
+    reports = [decode_report(report) for report in collect_reports()]
+    need = state.groups_needing_values(reports)
+    distances = None
+    if need:
+        samples = [decode_samples(sample) for sample in collect_samples(need)]
+        distances = distances_to_reference(state.plan, samples, need, distance=tensor_distance)
+    return state.conclude(reports, distances=distances)
+
+
+def record_stats(worker: Any, blocks: Mapping[int, Sequence[int]], seconds: float, *, demoted: int) -> None:
+    """Record one audited step (and its demoted groups) in the worker's connector stats."""
+    num_bytes = sum(
+        sum(worker.token_dbs[group].prepare_value_for_block(block_id)[1])
+        for group, block_ids in blocks.items()
+        for block_id in block_ids
+    )
+    worker._record_kv_connector_operation(
+        AUDIT_STATS_OPERATION,
+        seconds,
+        sum(len(block_ids) for block_ids in blocks.values()),
+        num_bytes=num_bytes,
+        status="mismatch" if demoted else "ok",
+        num_failed_keys=demoted,
+    )
+    for _ in range(demoted):
+        worker._record_kv_connector_operation(AUDIT_DEMOTED_OPERATION, 0.0, 1)
+
+
+# --- the fallback ----------------------------------------------------------------------------------
+
+
+def retarget(worker: Any, plan: Plan) -> None:
+    """Point a store worker (``MooncakeStoreWorker`` or ``KVPolicyStoreWorker``) at ``plan``.
+
+    The token databases are rebuilt by :func:`kvpolicy.vllm.store.build_token_databases` (the one
+    place a plan becomes store objects), given the registered regions of the old ones, and put
+    into the *same* list the transfer threads hold. Call it while no save or load is in flight:
+    the send thread reads put steps, participation and key prefixes per job.
+    """
+    old = list(worker.token_dbs)
+    if len(old) != len(plan.groups):
+        raise ValueError(f"the worker has {len(old)} token databases but the plan {len(plan.groups)} groups")
+    metadata = dataclasses.replace(old[0].metadata, tp_rank=worker.tp_rank, group_id=0)
+    new = plan_store.build_token_databases(
+        plan,
+        tp_rank=worker.tp_rank,
+        pcp_rank=worker.pcp_rank,
+        pp_rank=worker.pp_rank,
+        block_sizes=[database.block_size for database in old],
+        hash_block_sizes=[database.hash_block_size for database in old],
+        metadata=metadata,
+    )
+    for database, previous in zip(new, old, strict=True):
+        database.set_kv_caches_base_addr(list(previous.kv_caches_base_addr))
+        database.set_block_len(list(previous.block_len))
+    worker.token_dbs[:] = new
+    worker._lookup_key_prefixes = plan_store.lookup_key_prefixes(plan)
+    worker._group_tp_replication_factors = plan.factors
+    thread = worker.kv_send_thread
+    if thread is not None:
+        thread.group_put_steps = plan_store.group_put_steps(plan)
+        thread.group_participates = plan_store.group_participates(
+            plan, worker.tp_rank, [group.kv_cache_spec.prefix_cacheable for group in worker._kv_cache_groups]
+        )
+
+
+def drain(worker: Any) -> None:
+    """Wait until the worker's send and receive threads have no job queued or running."""
+    if worker.kv_send_thread is not None:
+        worker.kv_send_thread.request_queue.join()
+    worker.recv_request_queue.join()
+
+
+# --- agreement markers and the lookup gate ---------------------------------------------------------
+
+
+def write_agreements(store: Any, plan: Plan, groups: Iterable[int], *, pcp_rank: int = 0, pp_rank: int = 0) -> int:
+    """Put :func:`agreement_key` for ``groups`` (one tiny object each); returns how many were new.
+
+    ``put`` keeps an existing object, so several instances vouching for one plan is harmless.
+    """
+    written = 0
+    for group in groups:
+        key = agreement_key(plan, group, pcp_rank=pcp_rank, pp_rank=pp_rank)
+        written += store.put(key, f"agreed {plan.fingerprint} group {group}".encode()) == 0
+    return written
+
+
+def revoke_agreements(store: Any, plan: Plan, groups: Iterable[int], *, pcp_rank: int = 0, pp_rank: int = 0) -> None:
+    """Remove agreement markers this plan's groups can no longer vouch for (best effort)."""
+    for group in groups:
+        store.remove(agreement_key(plan, group, pcp_rank=pcp_rank, pp_rank=pp_rank), True)
+
+
+class LookupGate:
+    """Keeps lookups off shared namespaces no audit has verified.
+
+    A lookup may proceed when every group with factor > 1 under an audited policy is verified for
+    every (pcp, pp) namespace the lookup reads: by this instance's own audit (its own namespace)
+    or by an :func:`agreement_key` another instance left. Found markers are remembered per plan
+    fingerprint. The gate only reads the :class:`AuditState`; it never changes what is audited.
+    """
+
+    def __init__(self, *, pcp_rank: int = 0, pp_rank: int = 0) -> None:
+        self._own = (pcp_rank, pp_rank)
+        self._vouched: set[str] = set()
+        self.closed_lookups = 0
+        """Lookups refused so far."""
+
+    def required_keys(self, state: AuditState) -> list[str]:
+        """Agreement markers a lookup still needs under ``state``'s current plan."""
+        plan = state.plan
+        topology = plan.topology
+        keys: list[str] = []
+        for group, status in state.statuses.items():
+            if status not in (*UNTRUSTED, AuditStatus.AGREED):
+                continue  # factor 1, demoted, or a policy that trusts itself (audit: off)
+            for pcp_rank in range(topology.pcp_size):
+                for pp_rank in range(topology.pp_size):
+                    if status is AuditStatus.AGREED and (pcp_rank, pp_rank) == self._own:
+                        continue  # this instance's own audit verified it
+                    key = agreement_key(plan, group, pcp_rank=pcp_rank, pp_rank=pp_rank)
+                    if key not in self._vouched:
+                        keys.append(key)
+        return keys
+
+    def open(self, state: AuditState, store: Any) -> bool:
+        """Whether a lookup may run now; checks the store for the markers it still needs."""
+        keys = self.required_keys(state)
+        if keys:
+            present = store.batch_is_exist(keys)
+            self._vouched.update(key for key, found in zip(keys, present, strict=True) if found == 1)
+            if not all(found == 1 for found in present):
+                self.closed_lookups += 1
+                return False
+        return True

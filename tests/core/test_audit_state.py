@@ -1,0 +1,229 @@
+"""The audit's per-instance state machine (:class:`kvpolicy.audit.AuditState`) and its report column.
+
+Every TP rank runs one of these and feeds it the same gathered digests, so what is tested here is
+also what keeps the ranks in lockstep: the schedule of audited steps depends on nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvpolicy.audit import (
+    REPLICA_TOLERANCE,
+    AuditState,
+    AuditStatus,
+    Digest,
+    ReplicationAuditError,
+    Verdict,
+    agreement_key,
+    digest_blocks,
+    distances_to_reference,
+    relative_distance,
+)
+from kvpolicy.engine import plan as make_plan
+from kvpolicy.loader import load_layout, load_policy
+from kvpolicy.models import Audit, AuditMode, Topology
+from kvpolicy.report import format_plan_table, plan_to_json
+
+LAYOUT = textwrap.dedent(
+    """\
+    version: 1
+    kind: ModelLayout
+    model: org/hybrid
+    total_num_kv_heads: 1
+    groups:
+      - name: mla
+        spec: {type: MLAAttentionSpec, bases: [FullAttentionSpec, AttentionSpec, KVCacheSpec], block_size: 16,
+               page_size_bytes: 1024, fields: {max_tp_shards: 1}}
+        layers: [l.0.attn]
+      - name: state
+        spec: {type: MambaSpec, bases: [KVCacheSpec], block_size: 16, page_size_bytes: 512, fields: {tp_replicated: false}}
+        layers: [l.1.mixer]
+    """
+)
+TP = 4
+SAME = Digest("d1", all_zero=False)
+OTHER = Digest("d2", all_zero=False)
+ZERO = digest_blocks([bytes(64)])
+
+
+@pytest.fixture
+def layout(tmp_path: Path):
+    path = tmp_path / "layout.yaml"
+    path.write_text(LAYOUT)
+    return load_layout(path)
+
+
+def state_for(layout, *, mode: AuditMode = AuditMode.WARN, steps: int = 4) -> AuditState:
+    policy = load_policy("default")
+    origins = tuple(policy.rule_origin(index) for index in range(len(policy.rules)))
+    policy = policy.model_copy(update={"audit": Audit(mode=mode, steps=steps)}).with_origins(origins)
+    first = make_plan(policy, layout, Topology(tp_size=TP))
+    return AuditState(first, replan=lambda demoted: make_plan(policy, layout, Topology(tp_size=TP), demoted=demoted))
+
+
+def reports(*digests: Digest) -> list[dict[int, Digest]]:
+    return [{0: digest} for digest in digests]
+
+
+def test_a_fresh_instance_audits_its_replicated_groups_and_does_not_trust_them_yet(layout) -> None:
+    state = state_for(layout)
+    assert state.statuses == {0: AuditStatus.PENDING, 1: AuditStatus.NOT_NEEDED}
+    assert state.groups_to_audit() == (0,) and state.untrusted_groups() == (0,)
+
+
+def test_agreement_confirms_the_group_and_keeps_the_plan(layout) -> None:
+    state = state_for(layout)
+    before = state.plan
+    outcome = state.conclude(reports(SAME, SAME, SAME, SAME))
+    assert outcome.agreed == (0,) and not outcome.plan_changed and state.plan is before
+    assert state.statuses[0] is AuditStatus.AGREED and state.untrusted_groups() == ()
+
+
+def test_disagreement_demotes_the_group_to_factor_one_under_a_new_fingerprint(layout) -> None:
+    state = state_for(layout)
+    before = state.plan
+    outcome = state.conclude(reports(SAME, SAME, OTHER, SAME))
+    assert outcome.demoted == (0,) and outcome.plan_changed
+    assert state.plan.factors == (1, 1) and state.plan.groups[0].demoted
+    assert state.plan.fingerprint != before.fingerprint
+    assert state.statuses[0] is AuditStatus.DEMOTED and state.groups_to_audit() == ()
+
+
+def test_the_demotion_message_names_group_rule_and_ranks(layout) -> None:
+    outcome = state_for(layout).conclude(reports(SAME, OTHER, SAME, SAME))
+    (message,) = outcome.messages
+    assert "group 0 (mla)" in message and "'mla-latent'" in message and "default.yaml:" in message
+    assert "ranks 0,1,2,3" in message
+
+
+def test_enforce_raises_the_message_and_keeps_the_plan(layout) -> None:
+    state = state_for(layout, mode=AuditMode.ENFORCE)
+    before = state.plan
+    with pytest.raises(ReplicationAuditError, match=r"group 0 \(mla\).*ranks 0,1,2,3"):
+        state.conclude(reports(SAME, OTHER, SAME, SAME))
+    assert state.plan is before
+
+
+def test_all_zero_blocks_leave_the_group_pending(layout) -> None:
+    state = state_for(layout)
+    outcome = state.conclude(reports(ZERO, ZERO, ZERO, ZERO))
+    assert outcome.agreed == () and outcome.demoted == ()
+    assert state.statuses[0] is AuditStatus.PENDING and state.untrusted_groups() == (0,)
+
+
+def test_a_group_without_evidence_after_the_last_step_is_unverified_and_stays_untrusted(layout) -> None:
+    state = state_for(layout, steps=2)
+    state.conclude(reports(ZERO, ZERO, ZERO, ZERO))
+    outcome = state.conclude(reports(ZERO, ZERO, ZERO, ZERO))
+    assert outcome.unverified == (0,) and state.statuses[0] is AuditStatus.UNVERIFIED
+    assert state.groups_to_audit() == () and state.untrusted_groups() == (0,)
+
+
+def test_the_audit_ends_after_the_policys_steps(layout) -> None:
+    state = state_for(layout, steps=2)
+    state.conclude(reports(SAME, SAME, SAME, SAME))
+    assert state.groups_to_audit() == (0,)
+    state.conclude(reports(SAME, SAME, SAME, SAME))
+    assert state.groups_to_audit() == () and state.steps_done == 2
+
+
+def test_a_rank_that_could_not_digest_makes_the_step_judge_nothing(layout) -> None:
+    state = state_for(layout)
+    outcome = state.conclude([{0: SAME}, None, {0: OTHER}, {0: SAME}])
+    assert outcome.failed_ranks == (1,) and outcome.audits == () and outcome.demoted == ()
+    assert state.statuses[0] is AuditStatus.PENDING and state.steps_done == 1
+
+
+def test_a_step_needs_every_ranks_report(layout) -> None:
+    with pytest.raises(ValueError, match="4 ranks"):
+        state_for(layout).conclude(reports(SAME, SAME))
+
+
+@pytest.mark.parametrize("mode, steps", [(AuditMode.OFF, 4), (AuditMode.WARN, 0)])
+def test_audit_off_or_zero_steps_audits_and_gates_nothing(layout, mode: AuditMode, steps: int) -> None:
+    state = state_for(layout, mode=mode, steps=steps)
+    assert state.groups_to_audit() == () and state.untrusted_groups() == ()
+    assert state.statuses[0] is AuditStatus.OFF
+
+
+def test_an_agreement_marker_vouches_for_one_plan_only(layout) -> None:
+    state = state_for(layout)
+    trusting = state.plan
+    state.conclude(reports(SAME, OTHER, SAME, SAME))
+    assert agreement_key(trusting, 0) != agreement_key(state.plan, 0)
+    assert trusting.fingerprint in agreement_key(trusting, 0)
+
+
+def test_the_plan_table_has_an_audit_column(layout) -> None:
+    state = state_for(layout)
+    assert format_plan_table(state.plan).splitlines()[1].split()[-1] == "audit"
+    state.conclude(reports(SAME, OTHER, SAME, SAME))
+    rows = format_plan_table(state.plan, audit=state.statuses).splitlines()[3:5]
+    assert [row.split()[-1] for row in rows] == ["demoted", "-"]
+
+
+def test_the_plan_json_carries_each_groups_audit_status(layout) -> None:
+    state = state_for(layout)
+    state.conclude(reports(SAME, SAME, SAME, SAME))
+    payload = json.loads(json.dumps(plan_to_json(state.plan, audit=state.statuses)))
+    assert [group["audit"] for group in payload["groups"]] == ["agreed", "-"]
+
+
+# --- rounding: replicas equal up to the last bits ------------------------------------------------
+
+
+def test_relative_distance_is_zero_for_equal_values_and_large_for_unrelated_ones() -> None:
+    values = [0.5, -1.25, 3.0, 0.0]
+    assert relative_distance(values, list(values)) == 0.0
+    assert relative_distance(values, [-0.5, 1.25, -3.0, 0.0]) == pytest.approx(2.0)
+    assert relative_distance(values, [0.0] * 4) == pytest.approx(1.0)
+
+
+def test_relative_distance_of_last_bit_rounding_is_far_below_the_tolerance() -> None:
+    values = [1.0 + index / 7 for index in range(1000)]
+    rounded = [math.nextafter(value, math.inf) if index % 3 else value for index, value in enumerate(values)]
+    assert 0 < relative_distance(values, rounded) < 1e-12 < REPLICA_TOLERANCE
+
+
+def test_nan_against_a_number_is_never_within_tolerance_but_shared_nans_are_ignored() -> None:
+    nan = float("nan")
+    assert not relative_distance([1.0, nan], [1.0, 2.0]) <= REPLICA_TOLERANCE
+    assert relative_distance([1.0, nan], [1.0, nan]) == 0.0
+
+
+def test_only_groups_whose_digests_differ_need_their_values_compared(layout) -> None:
+    state = state_for(layout)
+    assert state.groups_needing_values(reports(SAME, SAME, SAME, SAME)) == ()
+    assert state.groups_needing_values(reports(SAME, OTHER, SAME, SAME)) == (0,)
+    assert state.groups_needing_values([{0: SAME}, None, {0: OTHER}, {0: SAME}]) == ()
+
+
+def test_values_within_tolerance_agree_despite_different_digests(layout) -> None:
+    state = state_for(layout)
+    outcome = state.conclude(reports(SAME, OTHER, OTHER, SAME), distances={0: {1: 1e-7, 2: 2e-7, 3: 0.0}})
+    (audit,) = outcome.audits
+    assert audit.verdict is Verdict.AGREED and audit.distance == pytest.approx(2e-7)
+    assert not outcome.plan_changed and state.statuses[0] is AuditStatus.AGREED
+
+
+def test_values_beyond_tolerance_disagree(layout) -> None:
+    outcome = state_for(layout).conclude(reports(SAME, OTHER, SAME, SAME), distances={0: {1: 1.4}})
+    assert outcome.demoted == (0,)
+
+
+def test_a_rank_whose_values_are_missing_cannot_pass_on_closeness(layout) -> None:
+    outcome = state_for(layout).conclude(reports(SAME, OTHER, SAME, SAME), distances={0: {}})
+    assert outcome.demoted == (0,)
+
+
+def test_distances_are_measured_against_the_first_rank_of_each_replica_set(layout) -> None:
+    state = state_for(layout)
+    samples = [{0: [1.0, 2.0]}, {0: [1.0, 2.0]}, {0: [-1.0, -2.0]}, None]
+    distances = distances_to_reference(state.plan, samples, [0])
+    assert distances == {0: {1: 0.0, 2: pytest.approx(2.0)}}

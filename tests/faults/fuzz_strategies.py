@@ -1,0 +1,669 @@
+"""Hypothesis strategies and contracts for fuzzing the loader, the validator CLI and the expression
+evaluator; shared by ``tests/faults/test_fuzz_loader.py`` (a few hundred inputs) and
+``scripts/fuzz.py`` (a long run).
+
+Inputs come from three families:
+
+* **tree mutations** of the shipped policies and example layouts: parse, then delete, rename,
+  duplicate or replace keys and values (other types, unicode, huge numbers, deep nesting,
+  expressions), and dump back as YAML in a random style;
+* **text mutations** of the same files (or of a tree mutation): truncation, deleted, duplicated
+  and swapped lines, random indentation, random unicode, and YAML snippets — anchor/alias bombs,
+  recursive aliases, explicit tags, huge numbers, directives, document markers, control
+  characters, deep nesting, complex keys;
+* **generated documents**: policy- and layout-shaped mappings with random fields, expressions,
+  key templates and layer ranges, and arbitrary YAML trees.
+
+The contracts (:func:`check_contract`, :func:`expression_contract`) are what the properties assert.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import copy
+import io
+import json
+import re
+import signal
+import string
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hypothesis import strategies as st
+
+from kvpolicy.cli import main as cli_main
+from kvpolicy.diagnostics import Diagnostic
+from kvpolicy.expressions import MAX_INT, Expression, ExpressionError
+from kvpolicy.keys import KeyContext, render_prefix
+from kvpolicy.loader import check_file, check_text
+from kvpolicy.models import KEY_TEMPLATE_FIELDS, KeyFormat
+
+REPO = Path(__file__).resolve().parents[2]
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+SEED_PATHS = sorted(
+    [
+        *(REPO / "policies").glob("*.yaml"),
+        *(REPO / "examples" / "policies").glob("*.yaml"),
+        *(REPO / "examples" / "layouts").glob("*.yaml"),
+    ]
+)
+SEEDS: dict[str, str] = {path.relative_to(REPO).as_posix(): path.read_text(encoding="utf-8") for path in SEED_PATHS}
+PARSED: dict[str, Any] = {name: yaml.safe_load(text) for name, text in SEEDS.items()}
+
+CHECK_SECONDS = 10.0
+"""A document the loader has not judged after this long counts as a hang."""
+EXPRESSION_SECONDS = 1.0
+"""Parsing plus evaluating one expression must take less than this."""
+
+# --- leaves --------------------------------------------------------------------------------------
+
+FIELD_NAMES = sorted(
+    {
+        "version", "kind", "name", "description", "rules", "unmatched", "strict", "combine", "schedule", "key",
+        "audit", "spec_fields", "template", "mode", "steps", "match", "when", "replication", "factor", "shards",
+        "reason", "spec", "fields", "layers", "model", "source", "total_num_kv_heads", "groups", "uniform", "type",
+        "bases", "block_size", "page_size_bytes", "max_tp_shards", "tp_replicated", "num_kv_heads", "head_size",
+        "dtype", "sliding_window", "mamba_type",
+    }
+)
+VARIABLES = ("tp_size", "pp_size", "pcp_size", "dcp_size", "total_num_kv_heads", "max_tp_shards", "block_size",
+             "page_size_bytes", "tp_replicated", "num_kv_heads")
+DUNDERS = ("__class__", "__import__", "__builtins__", "__globals__", "__subclasses__", "__mro__", "__dict__",
+           "__code__", "__getattribute__", "__init__", "__base__", "eval", "exec", "open", "getattr", "compile",
+           "globals", "locals", "vars", "type", "object", "os", "sys")
+TRICKY_STRINGS = (
+    "", " ", "\t", "~", "null", "Null", "yes", "no", "on", "off", "y", "n", "0x1F", "0o17", "0b101", "1_000",
+    "1e400", "-.inf", ".nan", "2001-12-14", "12:30:45", "=", "<<", "&a", "*a", "!!str", "%", "@", "`", "|", ">",
+    "{model}", "{{model}}", "{shard", "shard}", "{model.__class__}", "{0}", "{}", "{shard!r}", "{shard:>9}",
+    "MLAAttentionSpec", "MambaSpec", "AttentionSpec", "replicated", "sharded", "striped", "leader", "all",
+    "warn", "enforce", "off", "gcd", "ReplicationPolicy", "ModelLayout", "layer.{0..3}", "l{0..99999}",
+    "\u202e", "\u200b", "\ufeff", "🙂", "Ω", "ｔｐ_size", "\x1b[2J", "a" * 300,
+)
+HUGE_INTEGERS = (2**63 - 1, 2**63, -(2**63) - 1, 2**64, 10**100, 10**1000, 10**4000)
+
+
+def unicode_text(max_size: int = 30) -> st.SearchStrategy[str]:
+    return st.text(st.characters(blacklist_categories=("Cs",)), max_size=max_size)
+
+
+def scalars() -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.integers(-3, 10),
+        st.integers(),
+        st.sampled_from(HUGE_INTEGERS),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.booleans(),
+        st.none(),
+        unicode_text(),
+        st.sampled_from(TRICKY_STRINGS),
+        st.sampled_from(FIELD_NAMES),
+    )
+
+
+def yaml_values(max_leaves: int = 12) -> st.SearchStrategy[Any]:
+    keys = st.one_of(st.sampled_from(FIELD_NAMES), unicode_text(12))
+    return st.recursive(
+        st.one_of(scalars(), _atoms()),
+        lambda children: st.one_of(
+            st.lists(children, max_size=4), st.dictionaries(keys, children, max_size=4)
+        ),
+        max_leaves=max_leaves,
+    )
+
+
+# --- expressions ---------------------------------------------------------------------------------
+
+_BINARY = (" + ", " - ", " * ", " // ", " % ", " / ", " ** ", " & ", " | ", " ^ ", " << ", " >> ", " @ ")
+_COMPARE = (" == ", " != ", " < ", " <= ", " > ", " >= ", " is ", " is not ", " in ", " not in ")
+
+
+def _atoms() -> st.SearchStrategy[str]:
+    return st.one_of(
+        st.integers(-(2**70), 2**70).map(str),
+        st.sampled_from(("0", "1", "2", "True", "False", "None", "'x'", '"a"', "9" * 25, "0x7fffffffffffffff",
+                         "1.5", "1j", "...", "b'x'", "f'{tp_size}'")),
+        st.sampled_from(VARIABLES),
+        st.sampled_from(DUNDERS),
+    )
+
+
+def _grow(children: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+    pair = st.tuples(children, children)
+    return st.one_of(
+        st.tuples(children, st.sampled_from(_BINARY), children).map("".join),
+        st.tuples(children, st.sampled_from(_COMPARE), children).map("".join),
+        pair.map(lambda p: f"{p[0]} and {p[1]}"),
+        pair.map(lambda p: f"{p[0]} or {p[1]}"),
+        children.map(lambda c: f"not {c}"),
+        children.map(lambda c: f"-{c}"),
+        children.map(lambda c: f"({c})"),
+        st.tuples(children, children, children).map(lambda t: f"{t[0]} if {t[1]} else {t[2]}"),
+        st.tuples(st.sampled_from(("min", "max", "abs", "len", "pow", "getattr", "__import__", "eval", "type")),
+                  st.lists(children, max_size=3)).map(lambda t: f"{t[0]}({', '.join(t[1])})"),
+        st.tuples(children, st.sampled_from(DUNDERS)).map(lambda t: f"{t[0]}.{t[1]}"),
+        st.tuples(children, children).map(lambda t: f"{t[0]}[{t[1]}]"),
+        children.map(lambda c: f"lambda: {c}"),
+        children.map(lambda c: f"[x for x in {c}]"),
+        children.map(lambda c: f"(x := {c})"),
+        children.map(lambda c: f"[{c}]"),
+        children.map(lambda c: f"{{{c}: 1}}"),
+        children.map(lambda c: f"*{c}"),
+    )
+
+
+def pathological_expressions() -> st.SearchStrategy[str]:
+    """Long, deep and large: chains, nesting and literals at and beyond the evaluator's bounds."""
+    n = st.integers(1, 600)
+    return st.one_of(
+        n.map(lambda k: " * ".join(["1"] * k)),
+        n.map(lambda k: " * ".join(["9223372036854775807"] * k)),
+        n.map(lambda k: " + ".join(["tp_size"] * k)),
+        n.map(lambda k: "max(" * k + "1" + ")" * k),
+        n.map(lambda k: "max(" + ", ".join(["tp_size"] * k) + ")"),
+        n.map(lambda k: "1 if tp_size else " * k + "0"),
+        n.map(lambda k: "(" * k + "1" + ")" * k),
+        n.map(lambda k: "not " * k + "True"),
+        n.map(lambda k: "-" * k + "1"),
+        n.map(lambda k: "1 < " * k + "2"),
+        n.map(lambda k: "9" * k),
+        n.map(lambda k: "[" * k + "]" * k),
+        n.map(lambda k: "min(max(tp_size, " * k + "1" + "))" * k),
+        st.integers(1, 80).map(lambda k: "9223372036854775807 * " * k + "9223372036854775807"),
+    )
+
+
+def expressions() -> st.SearchStrategy[str]:
+    grammar = st.recursive(_atoms(), _grow, max_leaves=12)
+    return st.one_of(grammar, pathological_expressions(), unicode_text(60), st.sampled_from(TRICKY_STRINGS))
+
+
+ALLOWED_NODES = (
+    ast.Constant, ast.Name, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.IfExp, ast.Compare, ast.Call, ast.Load,
+    ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.USub, ast.UAdd, ast.Not, ast.And, ast.Or,
+    ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Is, ast.IsNot,
+)
+TOPOLOGY = {"tp_size": 8, "pp_size": 2, "pcp_size": 1, "dcp_size": 1, "total_num_kv_heads": 2,
+            "max_tp_shards": None, "block_size": 16, "page_size_bytes": 4096, "tp_replicated": False,
+            "num_kv_heads": 1}
+
+
+# --- key templates -------------------------------------------------------------------------------
+
+
+def key_templates() -> st.SearchStrategy[str]:
+    """Templates from literal pieces, fields (plain, escaped, with conversions and specs) and stray
+    braces; most contain every required field, so many pass validation."""
+    fields = st.sampled_from(KEY_TEMPLATE_FIELDS)
+    piece = st.one_of(
+        fields.map(lambda name: "{" + name + "}"),
+        fields.map(lambda name: "@" + name + ":{" + name + "}"),
+        fields.map(lambda name: "{{" + name + "}}"),
+        fields.map(lambda name: "{" + name + "!r}"),
+        fields.map(lambda name: "{" + name + ":>4}"),
+        st.sampled_from(("@", ":", "/", "-", "{", "}", "{{", "}}", "{}", "{0}", "{model.__class__}", "{shard[0]}")),
+        st.text(string.ascii_letters + "@:_", max_size=5),
+    )
+    required = st.permutations([f"@{name}:{{{name}}}" for name in KEY_TEMPLATE_FIELDS]).map("".join)
+    return st.one_of(
+        st.lists(piece, max_size=14).map("".join),
+        st.tuples(required, st.lists(piece, max_size=3).map("".join), st.integers(0, 200)).map(
+            lambda t: t[0][: t[2]] + t[1] + t[0][t[2] :]
+        ),
+    )
+
+
+NAMESPACES = tuple(
+    dict(group=group, shard=shard, pcp_rank=pcp, dcp_rank=dcp, pp_rank=pp)
+    for group in (0, 1, 10, 11)
+    for shard in (0, 1, 10, 11)
+    for pcp in (0, 1)
+    for dcp in (0, 1)
+    for pp in (0, 1)
+)
+"""Namespaces whose numbers run together without separators (1 then 10 vs 11 then 0 …)."""
+
+
+def template_contract(template: str) -> None:
+    """A template the validator accepts renders every namespace, each to its own prefix."""
+    try:
+        KeyFormat(template=template)
+    except ValueError:
+        return
+    context = KeyContext(model="m", cache_prefix="p", store_namespace="")
+    rendered: dict[str, dict[str, int]] = {}
+    for namespace in NAMESPACES:
+        prefix = render_prefix(template, context, fingerprint="f" * 12, **namespace)
+        other = rendered.setdefault(prefix, namespace)
+        assert other == namespace, f"template {template!r}: {other} and {namespace} share the key prefix {prefix!r}"
+
+
+# --- documents -----------------------------------------------------------------------------------
+
+
+def _rule() -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries(
+        {},
+        optional={
+            "name": st.one_of(st.sampled_from(("mla", "kv-heads", "a", "Bad_Name", "")), unicode_text(10)),
+            "reason": st.one_of(st.just("because"), scalars()),
+            "match": st.fixed_dictionaries(
+                {},
+                optional={
+                    "spec": st.one_of(
+                        st.sampled_from(("MLAAttentionSpec", "MambaSpec", "AttentionSpec", "NoSuchSpec")),
+                        st.lists(st.sampled_from(("MLAAttentionSpec", "MambaSpec")), max_size=3),
+                        scalars(),
+                    ),
+                    "fields": st.dictionaries(st.sampled_from(VARIABLES + ("dtype",)), yaml_values(4), max_size=3),
+                    "layers": st.one_of(st.lists(st.sampled_from(("*", "model.layers.*", "[", "l{0..3}")), max_size=3),
+                                        scalars()),
+                    "junk": scalars(),
+                },
+            ),
+            "when": expressions(),
+            "factor": st.one_of(expressions(), scalars()),
+            "shards": st.one_of(expressions(), scalars()),
+            "replication": st.one_of(st.sampled_from(("sharded", "replicated", "Replicated")), scalars()),
+            "extra": scalars(),
+        },
+    )
+
+
+def policy_documents() -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries(
+        {
+            "version": st.one_of(st.just(1), scalars()),
+            "kind": st.one_of(
+                st.just("ReplicationPolicy"), st.sampled_from(("ModelLayout", "replicationpolicy")), scalars()
+            ),
+        },
+        optional={
+            "name": st.one_of(st.just("fuzzed"), scalars()),
+            "description": scalars(),
+            "rules": st.one_of(st.lists(_rule(), max_size=5), scalars()),
+            "unmatched": st.one_of(st.sampled_from(("sharded", "replicated")), scalars()),
+            "strict": scalars(),
+            "combine": st.one_of(st.just("gcd"), scalars()),
+            "schedule": st.one_of(st.sampled_from(("striped", "leader", "all")), scalars()),
+            "key": st.one_of(st.fixed_dictionaries({"template": st.one_of(key_templates(), scalars())}), scalars()),
+            "audit": st.one_of(
+                st.fixed_dictionaries({}, optional={"mode": st.sampled_from(("warn", "enforce", "off", "x")),
+                                                    "steps": st.one_of(st.integers(-5, 20_000), scalars())}),
+                scalars(),
+            ),
+            "spec_fields": st.one_of(
+                st.lists(st.one_of(st.sampled_from(VARIABLES), unicode_text(8)), max_size=4), scalars()
+            ),
+            "junk": yaml_values(6),
+        },
+    )
+
+
+def layer_patterns() -> st.SearchStrategy[str]:
+    bound = st.integers(0, 200)
+    return st.one_of(
+        st.sampled_from(("model.layers.0.attn", "l.{0..3}", "l.{3..0}", "l.{0..100000}", "l.{0..100001}", "{..}",
+                         "l.{a..b}", "*")),
+        st.tuples(bound, bound).map(lambda t: f"model.layers.{{{t[0]}..{t[1]}}}.self_attn"),
+        st.tuples(bound, bound, bound, bound).map(lambda t: f"l{{{t[0]}..{t[1]}}}.{{{t[2]}..{t[3]}}}"),
+        unicode_text(20),
+    )
+
+
+def _spec() -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries(
+        {
+            "type": st.one_of(
+                st.sampled_from(("MLAAttentionSpec", "FullAttentionSpec", "MambaSpec", "PluginSpec")), scalars()
+            ),
+            "block_size": st.one_of(st.integers(-1, 4096), scalars()),
+            "page_size_bytes": st.one_of(st.integers(-1, 2**40), expressions(), scalars()),
+        },
+        optional={
+            "bases": st.one_of(
+                st.lists(st.sampled_from(("AttentionSpec", "FullAttentionSpec", "KVCacheSpec")), max_size=4), scalars()
+            ),
+            "fields": st.dictionaries(st.sampled_from(VARIABLES + ("dtype", "shapes")), yaml_values(4), max_size=4),
+        },
+    )
+
+
+def layout_documents() -> st.SearchStrategy[dict[str, Any]]:
+    plain = st.fixed_dictionaries(
+        {},
+        optional={
+            "name": scalars(),
+            "spec": _spec(),
+            "layers": st.one_of(st.lists(layer_patterns(), max_size=3), layer_patterns()),
+        },
+    )
+    uniform = st.fixed_dictionaries(
+        {
+            "uniform": st.lists(
+                st.fixed_dictionaries({"spec": _spec(), "layers": st.lists(layer_patterns(), max_size=2)}), max_size=3
+            )
+        },
+        optional={"name": scalars(), "spec": _spec()},
+    )
+    return st.fixed_dictionaries(
+        {
+            "version": st.one_of(st.just(1), scalars()),
+            "kind": st.one_of(st.just("ModelLayout"), scalars()),
+        },
+        optional={
+            "model": st.one_of(st.just("org/model"), scalars()),
+            "total_num_kv_heads": st.one_of(st.integers(-2, 128), scalars()),
+            "groups": st.one_of(st.lists(st.one_of(plain, uniform), max_size=4), scalars()),
+            "source": yaml_values(6),
+            "description": scalars(),
+        },
+    )
+
+
+def dump(data: Any, draw: Any) -> str:
+    """``data`` as YAML in a random style (block or flow, ASCII or unicode, narrow or wide)."""
+    return yaml.dump(
+        data,
+        Dumper=_DUMPER,
+        default_flow_style=draw(st.sampled_from((False, True, None))),
+        allow_unicode=draw(st.booleans()),
+        sort_keys=False,
+        width=draw(st.sampled_from((20, 80, 4096))),
+    )
+
+
+@st.composite
+def generated_documents(draw: Any) -> str:
+    data = draw(st.one_of(policy_documents(), layout_documents(), yaml_values(20)))
+    return dump(data, draw)
+
+
+# --- tree mutations ------------------------------------------------------------------------------
+
+
+def _slots(node: Any) -> Iterator[tuple[Any, Any]]:
+    """(container, key) of every value below ``node``."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield node, key
+            yield from _slots(value)
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield node, index
+            yield from _slots(value)
+
+
+def _near_miss(key: str) -> st.SearchStrategy[str]:
+    variants = [key.upper(), key + "s", key[:-1], key.replace("_", "-"), key.replace("_", ""), " " + key, key + " "]
+    return st.sampled_from([variant for variant in variants if variant])
+
+
+def _nested(depth: int, leaf: Any, as_dict: bool) -> Any:
+    for _ in range(depth):
+        leaf = {"a": leaf} if as_dict else [leaf]
+    return leaf
+
+
+TREE_OPERATIONS = ("delete", "rename", "duplicate", "replace", "unicode", "huge", "nest", "expression", "empty")
+
+
+@st.composite
+def mutated_trees(draw: Any) -> Any:
+    name = draw(st.sampled_from(sorted(PARSED)))
+    tree = copy.deepcopy(PARSED[name])
+    for _ in range(draw(st.integers(1, 4))):
+        slots = list(_slots(tree))
+        if not slots:
+            break
+        container, key = draw(st.sampled_from(slots))
+        operation = draw(st.sampled_from(TREE_OPERATIONS))
+        if operation == "delete":
+            del container[key]
+        elif operation == "rename" and isinstance(container, dict):
+            new = draw(st.one_of(_near_miss(str(key)), st.sampled_from(FIELD_NAMES), unicode_text(12)))
+            value = container.pop(key)
+            container[new] = value
+        elif operation == "duplicate" and isinstance(container, list):
+            container.insert(key, copy.deepcopy(container[key]))
+        elif operation == "unicode":
+            container[key] = draw(unicode_text(40))
+        elif operation == "huge":
+            container[key] = draw(st.sampled_from(HUGE_INTEGERS))
+        elif operation == "nest":
+            container[key] = _nested(draw(st.integers(1, 120)), container[key], draw(st.booleans()))
+        elif operation == "expression":
+            container[key] = draw(expressions())
+        elif operation == "empty":
+            container[key] = draw(st.sampled_from(([], {}, "", None)))
+        else:
+            container[key] = draw(yaml_values())
+    return tree
+
+
+@st.composite
+def mutated_documents(draw: Any) -> str:
+    return dump(draw(mutated_trees()), draw)
+
+
+# --- text mutations ------------------------------------------------------------------------------
+
+
+def _bomb(depth: int, width: int) -> str:
+    lines = [f"b0: &b0 [{', '.join(['lol'] * width)}]"]
+    lines += [f"b{i}: &b{i} [{', '.join([f'*b{i - 1}'] * width)}]" for i in range(1, depth)]
+    return "\n".join(lines) + "\n"
+
+
+SNIPPETS = (
+    "a: &a [*a]\n",
+    "a: &a {b: *a}\n",
+    "x: *undefined\n",
+    "x: !!bool \"maybe\"\n",
+    "x: !!timestamp \"not a time\"\n",
+    "x: !!int \"twelve\"\n",
+    "x: !!float \"x\"\n",
+    "x: !!binary \"!!!\"\n",
+    "x: !!python/object/apply:os.system [\"true\"]\n",
+    "x: !!python/name:os.system\n",
+    "x: !!set {a, b}\n",
+    "x: !!omap [a: 1]\n",
+    "x: !!map \"scalar\"\n",
+    "x: !!seq \"scalar\"\n",
+    "x: !!null \"not null\"\n",
+    "x: !<tag:yaml.org,2002:bool> \"x\"\n",
+    "x: !custom 1\n",
+    "? !!bool \"maybe\"\n: 1\n",
+    "? [a, b]\n: c\n",
+    "? {a: 1}\n: c\n",
+    "<<: {a: 1}\n",
+    "x: " + "9" * 5000 + "\n",
+    "x: 0x" + "f" * 6000 + "\n",
+    "x: -0b" + "1" * 20000 + "\n",
+    "x: 1e999\n",
+    "x: \"\\0\\x1b\\u202e\\U0001F642\"\n",
+    "%YAML 1.1\n---\n",
+    "%TAG ! tag:example.com,2000:\n---\n",
+    "---\n",
+    "...\n",
+    "--- !!map\n",
+    "{[}]\n",
+    "x: [\n",
+    "x: 'unterminated\n",
+    "\t\tx: 1\n",
+    "x: |\n  block\n    more\n",
+    "x: " + "[" * 300 + "]" * 300 + "\n",
+    "x: " + "{a: " * 200 + "1" + "}" * 200 + "\n",
+    "x: \x00\n",
+    "\ufeffx: 1\n",
+    "x: \x85y\n",
+    "x: a\u2028b\n",
+    "x: a\rb\n",
+    "x: " + "a" * 20000 + "\n",
+    ("k" * 2000) + ": 1\n",
+)
+
+
+@st.composite
+def yaml_snippets(draw: Any) -> str:
+    return draw(
+        st.one_of(
+            st.sampled_from(SNIPPETS),
+            st.tuples(st.integers(1, 9), st.integers(1, 9)).map(lambda t: _bomb(*t)),
+        )
+    )
+
+
+TEXT_OPERATIONS = ("truncate", "delete-line", "duplicate-line", "swap-lines", "indent", "unicode", "snippet", "value")
+
+
+@st.composite
+def mutated_texts(draw: Any) -> str:
+    base = draw(st.one_of(st.sampled_from(sorted(SEEDS)).map(SEEDS.__getitem__), mutated_documents()))
+    text = base
+    for _ in range(draw(st.integers(1, 3))):
+        lines = text.splitlines(keepends=True) or [""]
+        line = draw(st.integers(0, len(lines) - 1))
+        operation = draw(st.sampled_from(TEXT_OPERATIONS))
+        if operation == "truncate":
+            text = text[: draw(st.integers(0, len(text)))]
+            continue
+        if operation == "delete-line":
+            del lines[line]
+        elif operation == "duplicate-line":
+            lines.insert(line, lines[line])
+        elif operation == "swap-lines":
+            other = draw(st.integers(0, len(lines) - 1))
+            lines[line], lines[other] = lines[other], lines[line]
+        elif operation == "indent":
+            body = lines[line].lstrip(" \t")
+            lines[line] = draw(st.sampled_from(("", " ", "  ", "   ", "\t", " \t", " " * 40))) + body
+        elif operation == "unicode":
+            position = draw(st.integers(0, len(lines[line])))
+            lines[line] = lines[line][:position] + draw(unicode_text(8)) + lines[line][position:]
+        elif operation == "snippet":
+            indent = draw(st.sampled_from(("", "  ", "    ")))
+            snippet = "".join(indent + row for row in draw(yaml_snippets()).splitlines(keepends=True))
+            lines.insert(line, snippet)
+        else:  # replace the value of a "key: value" line
+            head, sep, _ = lines[line].partition(": ")
+            if sep:
+                value = draw(yaml_snippets()).partition(": ")[2] or "x\n"
+                lines[line] = head + sep + value
+        text = "".join(lines)
+    return text
+
+
+# --- contracts -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, what: str) -> Iterator[None]:
+    """Fail with ``TimeoutError`` if the block runs longer than ``seconds`` (main thread only)."""
+
+    def expire(*_: Any) -> None:
+        raise TimeoutError(f"{what} took longer than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def well_formed(diagnostic: Diagnostic, path: str) -> bool:
+    return (
+        isinstance(diagnostic, Diagnostic)
+        and diagnostic.path == path
+        and isinstance(diagnostic.line, int) and diagnostic.line >= 1
+        and isinstance(diagnostic.column, int) and diagnostic.column >= 1
+        and diagnostic.severity in ("error", "warning")
+        and isinstance(diagnostic.message, str) and bool(diagnostic.message.strip())
+    )
+
+
+def check_contract(text: str, path: str = "fuzzed.yaml") -> tuple[Any, list[Diagnostic]]:
+    """``check_text`` returns (document or None, diagnostics) — never raises, never hangs — and every
+    diagnostic has this path, a line and column ≥ 1 and a non-empty message; a document comes back
+    exactly when there is no error."""
+    with time_limit(CHECK_SECONDS, "check_text"):
+        document, problems = check_text(text, path)
+    bad = [problem for problem in problems if not well_formed(problem, path)]
+    assert not bad, f"malformed diagnostics: {bad}"
+    errors = [problem for problem in problems if problem.severity == "error"]
+    assert (document is None) == bool(errors), f"document {type(document).__name__} with errors {errors}"
+    return document, problems
+
+
+def expression_contract(source: str) -> None:
+    """Parsing raises only ``ExpressionError`` and accepts only whitelisted syntax; evaluating gives
+    an integer within ±MAX_INT, a boolean, a string or None, or raises ``ExpressionError``; both
+    finish quickly."""
+    started = time.perf_counter()
+    with time_limit(EXPRESSION_SECONDS * 5, "an expression"):
+        try:
+            expression = Expression(source)
+        except ExpressionError:
+            return
+        tree = ast.parse(source.strip(), mode="eval")
+        illegal = [type(node).__name__ for node in ast.walk(tree.body) if not isinstance(node, ALLOWED_NODES)]
+        assert not illegal, f"{source!r} was accepted with {illegal}"
+        calls = [node.func for node in ast.walk(tree.body) if isinstance(node, ast.Call)]
+        assert all(isinstance(func, ast.Name) and func.id in ("min", "max") for func in calls), source
+        try:
+            value = expression.evaluate(TOPOLOGY)
+        except ExpressionError:
+            value = None
+    assert value is None or isinstance(value, (bool, str)) or (type(value) is int and abs(value) <= MAX_INT), (
+        f"{source!r} evaluated to {type(value).__name__} {value!r:.80}"
+    )
+    elapsed = time.perf_counter() - started
+    assert elapsed < EXPRESSION_SECONDS, f"{source!r:.80} took {elapsed:.2f} s"
+
+
+# --- the CLI -------------------------------------------------------------------------------------
+
+
+def raw_files() -> st.SearchStrategy[bytes]:
+    """File contents for ``kvpolicy validate``, including ones that are not UTF-8 at all."""
+    texts = st.one_of(mutated_texts(), generated_documents(), mutated_documents())
+    return st.one_of(
+        texts.map(lambda text: text.encode("utf-8")),
+        texts.map(lambda text: text.encode("utf-16")),
+        texts.map(lambda text: text.encode("latin-1", errors="replace")),
+        st.binary(max_size=200),
+    )
+
+
+def validate_contract(content: bytes, output: str, path: Path) -> None:
+    """``kvpolicy validate --format OUTPUT PATH`` run in-process on ``content``, judged by
+    :func:`judge_validate`."""
+    path.write_bytes(content)
+    out, err = io.StringIO(), io.StringIO()
+    with time_limit(CHECK_SECONDS, "kvpolicy validate"), contextlib.redirect_stdout(out):
+        with contextlib.redirect_stderr(err):
+            code = cli_main(["validate", "--format", output, str(path)])
+    judge_validate(code, out.getvalue(), err.getvalue(), output, path)
+
+
+def judge_validate(code: int, out: str, err: str, output: str, path: Path) -> None:
+    """Exit 0 or 1, no traceback; JSON output parses and agrees with the exit code; text output has
+    one located ``PATH:LINE:COL: severity:`` line per problem (a message may contain a newline the
+    user wrote)."""
+    assert code in (0, 1), code
+    assert "Traceback" not in out + err, out + err
+    if output == "json":
+        payload = json.loads(out)
+        assert payload["valid"] == (code == 0), payload
+        for diagnostic in payload["files"][0]["diagnostics"]:
+            assert diagnostic["line"] >= 1 and diagnostic["column"] >= 1 and diagnostic["message"], diagnostic
+    else:
+        located = re.compile(re.escape(str(path)) + r":\d+:\d+: (error|warning): ")
+        problems = check_file(path)[1]
+        assert sum(1 for line in out.splitlines() if located.match(line)) >= len(problems), out
+        assert code == 0 or problems, out

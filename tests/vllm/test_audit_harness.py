@@ -1,0 +1,397 @@
+"""The replication audit on vLLM's real store worker objects and a real Mooncake master.
+
+The multi-rank harness runs the connector's audit (:mod:`kvpolicy.vllm.audit`) on its simulated
+ranks before the cold save: the ranks digest the blocks they are about to save, a disagreeing group
+is demoted and every rank retargeted, and a new warm instance loads what the cold one saved.
+The deliberately wrong policy calls attention replicated; on archetypes whose ranks hold distinct
+heads it must be caught (warn) or stop the instance (enforce), and with the audit off it must
+corrupt the warm load — proof that the harness can see the difference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import require
+
+require("vllm")
+require("mooncake.store")
+
+import torch  # noqa: E402
+
+from kvpolicy.audit import AuditState, AuditStatus, ReplicationAuditError, agreement_key  # noqa: E402
+from kvpolicy.engine import plan as make_plan  # noqa: E402
+from kvpolicy.loader import load_layout, load_policy  # noqa: E402
+from kvpolicy.models import Audit, AuditMode, Policy, Topology  # noqa: E402
+from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
+from kvpolicy.vllm import audit as online_audit  # noqa: E402
+from kvpolicy.vllm import harness  # noqa: E402
+from kvpolicy.vllm.harness import ARCHETYPES, BLOCK_SIZE, ClientPool, HarnessReport, run_consistency  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+WRONG = REPO / "examples" / "policies" / "wrong-attention-replicated.yaml"
+PRE_FIX = REPO / "examples" / "policies" / "pre-fix-single-factor.yaml"
+NUM_TOKENS = 256
+EXPECTED_HIT = (NUM_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
+# Archetypes whose attention heads are distinct per rank at TP=2 (2 KV heads), so "replicated" is wrong.
+DISTINCT_HEADS = ("sliding-window-full",)
+HYBRIDS_WITH_STATE = ("kimi-linear", "gqa-mamba")
+
+Run = Callable[..., HarnessReport]
+
+
+def with_audit(policy: Policy, mode: AuditMode) -> Policy:
+    """``policy`` with another audit mode, keeping the rules' file:line origins."""
+    origins = tuple(policy.rule_origin(index) for index in range(len(policy.rules)))
+    return policy.model_copy(update={"audit": Audit(mode=mode, steps=policy.audit.steps or 4)}).with_origins(origins)
+
+
+@pytest.fixture(scope="module")
+def clients(mooncake_master: MooncakeMaster) -> Iterator[ClientPool]:
+    with ClientPool(mooncake_master) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def run(mooncake_master: MooncakeMaster, clients: ClientPool) -> Run:
+    policies = {"wrong": load_policy(WRONG), "pre-fix": load_policy(PRE_FIX)}
+    policies["wrong-warn"] = with_audit(policies["wrong"], AuditMode.WARN)
+    policies["wrong-enforce"] = with_audit(policies["wrong"], AuditMode.ENFORCE)
+    reports: dict[tuple[str, str, int, bool | None], HarnessReport] = {}
+
+    def run(policy: str, archetype: str, tp_size: int, *, audit: bool | None = None) -> HarnessReport:
+        key = (policy, archetype, tp_size, audit)
+        if key not in reports:
+            source = policies.get(policy) or load_policy(policy)
+            reports[key] = run_consistency(
+                source, archetype, tp_size, master=mooncake_master, num_tokens=NUM_TOKENS, clients=clients, audit=audit
+            )
+        return reports[key]
+
+    return run
+
+
+def describe(report: HarnessReport) -> str:
+    return "\n".join(
+        f"  group {g.index} {g.name}: declared {g.declared_factor}, used {g.factor}, true {g.true_factor}, "
+        f"audit {g.audit}, mismatched ranks {list(g.mismatched_ranks)}, {g.blocks_checked} blocks checked"
+        for g in report.groups
+    )
+
+
+# --- a wrong policy ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("archetype", DISTINCT_HEADS)
+def test_wrong_policy_with_audit_warn_loads_correct_bytes(run: Run, archetype: str) -> None:
+    report = run("wrong-warn", archetype, 2)
+    assert report.hit_tokens == EXPECTED_HIT and not report.warm_gated
+    assert all(group.blocks_checked for group in report.groups), describe(report)
+    assert report.consistent, describe(report)
+
+
+@pytest.mark.parametrize("archetype", DISTINCT_HEADS)
+def test_wrong_policy_with_audit_warn_demotes_every_wrongly_replicated_group(run: Run, archetype: str) -> None:
+    report = run("wrong-warn", archetype, 2)
+    assert [(g.audit, g.declared_factor, g.factor) for g in report.groups] == [("demoted", 2, 1)] * len(report.groups)
+
+
+@pytest.mark.parametrize("archetype", DISTINCT_HEADS)
+def test_the_mismatch_report_names_group_rule_location_and_ranks(run: Run, archetype: str) -> None:
+    report = run("wrong-warn", archetype, 2)
+    for group in report.groups:
+        assert f"group {group.index} ({group.name})" in group.audit_message
+        assert f"'attention-replicated' ({WRONG}:" in group.audit_message
+        assert "ranks 0,1" in group.audit_message
+
+
+@pytest.mark.parametrize("archetype", DISTINCT_HEADS)
+def test_the_connector_stats_count_the_audited_step_and_the_demoted_groups(run: Run, archetype: str) -> None:
+    stats = run("wrong-warn", archetype, 2).audit_stats
+    assert stats["kvpolicy_audit_count"] == 1
+    assert stats["kvpolicy_audit_failed_keys"] == stats["kvpolicy_audit_demoted_count"] == 2
+
+
+@pytest.mark.parametrize("archetype", DISTINCT_HEADS)
+def test_wrong_policy_with_audit_off_loads_wrong_bytes(run: Run, archetype: str) -> None:
+    report = run("wrong", archetype, 2)  # the file says audit: off
+    assert not report.audited and report.hit_tokens == EXPECTED_HIT
+    assert not report.consistent, describe(report)
+    assert {group.audit for group in report.groups} == {"off"}
+
+
+@pytest.mark.parametrize("archetype", DISTINCT_HEADS)
+def test_audit_false_skips_the_audit_of_a_warn_policy(run: Run, archetype: str) -> None:
+    report = run("wrong-warn", archetype, 2, audit=False)
+    assert not report.audited and not report.consistent
+
+
+@pytest.mark.parametrize("archetype", DISTINCT_HEADS)
+def test_audit_enforce_stops_with_the_mismatch_error(run: Run, archetype: str) -> None:
+    with pytest.raises(ReplicationAuditError) as stopped:
+        run("wrong-enforce", archetype, 2)
+    message = str(stopped.value)
+    assert "replication audit: group 0" in message and f"({WRONG}:" in message and "ranks 0,1" in message
+
+
+@pytest.mark.parametrize("tp_size", (2, 4))
+@pytest.mark.parametrize("archetype", HYBRIDS_WITH_STATE)
+def test_pre_fix_policy_with_audit_demotes_only_the_state_group(run: Run, archetype: str, tp_size: int) -> None:
+    report = run("pre-fix", archetype, tp_size, audit=True)
+    assert [group.name for group in report.groups if group.audit == "demoted"] == ["mamba"], describe(report)
+    assert report.consistent, describe(report)
+
+
+# --- correct policies: no false alarm ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp_size", (2, 4))
+@pytest.mark.parametrize("archetype", ARCHETYPES)
+@pytest.mark.parametrize("policy", ["default", "vllm-compat"])
+def test_a_correct_policy_never_triggers_the_audit(run: Run, policy: str, archetype: str, tp_size: int) -> None:
+    report = run(policy, archetype, tp_size, audit=True)
+    assert report.audited
+    assert [group.audit for group in report.groups] == [
+        "agreed" if group.factor > 1 else "-" for group in report.groups
+    ], describe(report)
+    assert [group.factor for group in report.groups] == [group.declared_factor for group in report.groups]
+    assert report.audit_stats.get("kvpolicy_audit_failed_keys", 0) == 0
+    assert "kvpolicy_audit_demoted_count" not in report.audit_stats
+
+
+@pytest.mark.parametrize("archetype", ARCHETYPES)
+def test_after_an_agreeing_audit_a_fresh_instance_hits(run: Run, archetype: str) -> None:
+    report = run("default", archetype, 4)
+    assert not report.warm_gated and report.hit_tokens == EXPECTED_HIT and report.consistent
+
+
+# --- the lookup gate, on a real store ------------------------------------------------------------
+
+
+@pytest.fixture
+def kimi_plan():
+    return make_plan(load_policy("default"), load_layout("kimi-linear-48b-a3b"), Topology(tp_size=4))
+
+
+def test_the_gate_refuses_a_shared_namespace_no_audit_vouched_for(kimi_plan, clients: ClientPool) -> None:
+    state = AuditState(kimi_plan, replan=lambda demoted: kimi_plan)
+    (client,) = clients.acquire(1)
+    try:
+        client.remove(agreement_key(kimi_plan, 3), True)
+        assert state.untrusted_groups() == (3,)
+        assert not online_audit.LookupGate().open(state, client)
+    finally:
+        clients.release([client])
+
+
+def test_the_gate_opens_on_another_instances_agreement(kimi_plan, clients: ClientPool) -> None:
+    state = AuditState(kimi_plan, replan=lambda demoted: kimi_plan)
+    (client,) = clients.acquire(1)
+    try:
+        assert online_audit.write_agreements(client, kimi_plan, [3]) in (0, 1)
+        assert online_audit.LookupGate().open(state, client)
+    finally:
+        client.remove(agreement_key(kimi_plan, 3), True)
+        clients.release([client])
+
+
+def test_the_gate_stays_open_under_audit_off(clients: ClientPool) -> None:
+    compat = make_plan(load_policy("vllm-compat"), load_layout("kimi-linear-48b-a3b"), Topology(tp_size=4))
+    (client,) = clients.acquire(1)
+    try:
+        assert online_audit.LookupGate().open(AuditState(compat, replan=lambda demoted: compat), client)
+    finally:
+        clients.release([client])
+
+
+# --- which blocks, and reading them (real vLLM objects, no store) --------------------------------
+
+
+def _instance(archetype: str, tp_size: int, num_tokens: int, *, requests: int = 1):
+    """A harness model with ``requests`` prompts' save metadata and a coordinator (harness internals)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import MooncakeStoreCoordinator
+
+    chunks = math.ceil(num_tokens / BLOCK_SIZE)
+    model = harness._build_model(archetype, tp_size, model_name="audit-blocks", blocks_needed=1 + 2 * requests * chunks)
+    coord = MooncakeStoreCoordinator.from_kv_cache_config(
+        model.kv_cache_config, model.vllm_config, model.block_size, model.hash_block_size
+    )
+    metadata = None
+    for index in range(requests):
+        tokens = list(range(index * 100_000, index * 100_000 + num_tokens))
+        tables = harness._block_tables(model, num_tokens, seed=index, salt=f"r{index}", mamba_nulls=True)
+        one = harness._save_meta(
+            model, tables, harness._block_hashes(tokens, model.hash_block_size), num_tokens, f"r{index}", index, coord
+        )
+        if metadata is None:
+            metadata = one
+        else:
+            metadata.add_request(one.requests[0])
+    return model, coord, metadata
+
+
+def test_a_long_prompt_audits_only_its_last_blocks() -> None:
+    model, coord, metadata = _instance("mla", 2, 4096)
+    blocks = online_audit.blocks_to_audit(metadata, coord, [0])
+    (request,) = metadata.requests
+    assert blocks == {0: request.block_ids[0][-online_audit.AUDIT_BLOCKS_PER_REQUEST :]}
+
+
+def test_the_audited_blocks_per_step_are_capped() -> None:
+    model, coord, metadata = _instance("mla", 2, 256, requests=online_audit.AUDIT_REQUESTS_PER_STEP + 2)
+    blocks = online_audit.blocks_to_audit(metadata, coord, [0])
+    assert len(blocks[0]) == online_audit.AUDIT_REQUESTS_PER_STEP * online_audit.AUDIT_BLOCKS_PER_REQUEST
+
+
+def test_a_state_group_is_audited_through_its_boundary_puts() -> None:
+    model, coord, metadata = _instance("kimi-linear", 2, 256)
+    (request,) = metadata.requests
+    mamba = next(index for index, group in enumerate(coord.kv_cache_groups) if index in coord.mamba_group_ids)
+    expected = [put.block_id for put in request.boundary_puts if put.group_id == mamba]
+    assert expected and online_audit.blocks_to_audit(metadata, coord, [mamba]) == {mamba: expected[-2:]}
+
+
+def test_a_step_that_saves_nothing_for_an_audited_group_is_not_audited() -> None:
+    model, coord, metadata = _instance("mla", 2, 256)
+    (request,) = metadata.requests
+    request.can_save = False
+    assert online_audit.blocks_to_audit(metadata, coord, [0]) == {}
+
+
+# --- kvpolicy audit (its own embedded master) ----------------------------------------------------
+
+
+def test_the_audit_command_fails_a_wrong_policy_naming_the_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpolicy.cli import main
+
+    code = main(["audit", "--policy", str(WRONG), "--archetype", "sliding-window-full", "--tp", "2"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "group 0 full-attention: DEMOTED: factor 2 -> 1" in out
+    assert f"'attention-replicated' ({WRONG}:" in out
+
+
+def test_the_audit_command_passes_a_correct_policy_on_a_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpolicy.cli import main
+
+    code = main(["audit", "--policy", "default", "--layout", "deepseek-v3", "--tp", "2", "--format", "json"])
+    payload = json.loads(capsys.readouterr().out)
+    assert code == 0 and payload["passed"]
+    assert [group["audit"] for group in payload["groups"]] == ["agreed"]
+
+
+# --- replicas equal up to rounding (vLLM's CPU all-reduce at TP=4), on real worker objects ------
+
+
+def _replicated_ranks(
+    clients: ClientPool, archetype: str, policy_source: str, tp_size: int, perturb: Callable[[int, torch.Tensor], None]
+):
+    """Cold ranks of ``archetype`` under a policy whose saved blocks hold the same float values on
+    every rank, then ``perturb(rank, tensor)`` per layer tensor; returns the audit's step outcome.
+    Built from the harness's internals: real workers, token databases, KV tensors, metadata."""
+    model = harness._build_model(archetype, tp_size, model_name="audit-rounding", blocks_needed=1 + 2 * 16)
+    layout = harness.layout_from_kv_cache_config(
+        model.kv_cache_config, model=model.name, total_num_kv_heads=model.total_num_kv_heads
+    )
+    policy = with_audit(load_policy(policy_source), AuditMode.WARN)
+    plan = make_plan(policy, layout, Topology(tp_size=tp_size))
+    state = AuditState(plan, replan=lambda demoted: make_plan(policy, layout, Topology(tp_size=tp_size), demoted=demoted))
+    leased = clients.acquire(tp_size)
+    ranks = []
+    try:
+        ranks = [harness._start_rank(model, plan, rank, client) for rank, client in enumerate(leased)]
+        for rank in ranks:
+            generator = torch.Generator().manual_seed(7)  # the same values on every rank
+            for value in rank.kv_caches.values():
+                for tensor in harness._layer_tensors(value):
+                    tensor.copy_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype))
+                    perturb(rank.tp_rank, tensor)
+        hashes = harness._block_hashes(list(range(256)), model.hash_block_size)
+        tables = harness._block_tables(model, 256, seed=0, salt="rounding", mamba_nulls=True)
+        metadata = harness._save_meta(model, tables, hashes, 256, "rounding", 0, ranks[0].worker.coord)
+        blocks = online_audit.blocks_to_audit(metadata, ranks[0].worker.coord, state.groups_to_audit())
+        readers = [online_audit.BlockReader(rank.kv_caches) for rank in ranks]
+        names = {index: group.layer_names for index, group in enumerate(ranks[0].worker._kv_cache_groups)}
+        return online_audit.conclude_step(
+            state,
+            lambda: [
+                online_audit.encode_report(online_audit.local_digests(rank.worker.token_dbs, reader, blocks))
+                for rank, reader in zip(ranks, readers, strict=True)
+            ],
+            lambda groups: [
+                online_audit.local_samples(rank.worker.token_dbs, reader, blocks, names, groups)
+                for rank, reader in zip(ranks, readers, strict=True)
+            ],
+        )
+    finally:
+        for rank in ranks:
+            harness._stop_rank(rank)
+        clients.release(leased)
+
+
+def _last_bit(rank: int, tensor: torch.Tensor) -> None:
+    # What a rank-dependent summation order does to a replica: the last mantissa bit of some values.
+    if rank % 2:
+        bits = tensor.view(torch.int16)
+        bits[..., ::3] ^= 1
+
+
+def _other_values(rank: int, tensor: torch.Tensor) -> None:
+    if rank == 2:
+        tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(99)).to(tensor.dtype))
+
+
+# Under the pre-fix rule the KDA state group is audited too (the harness registers its pages as raw
+# int8, so its values are compared per byte).
+ROUNDING_CASES = [("mla", "default"), ("kimi-linear", str(PRE_FIX))]
+
+
+@pytest.mark.parametrize("archetype, policy", ROUNDING_CASES)
+def test_replicas_that_differ_only_by_rounding_agree(clients: ClientPool, archetype: str, policy: str) -> None:
+    outcome = _replicated_ranks(clients, archetype, policy, 4, _last_bit)
+    assert outcome.audits and all(
+        audit.verdict.value == "agreed" and 0 < audit.distance < 0.02 for audit in outcome.audits
+    ), outcome.audits
+    assert not outcome.plan_changed
+
+
+@pytest.mark.parametrize("archetype, policy", ROUNDING_CASES)
+def test_replicas_with_other_values_disagree_despite_the_tolerance(
+    clients: ClientPool, archetype: str, policy: str
+) -> None:
+    outcome = _replicated_ranks(clients, archetype, policy, 4, _other_values)
+    assert outcome.audits and outcome.demoted == tuple(audit.group for audit in outcome.audits)
+
+
+def test_a_layer_with_states_of_several_dtypes_is_read_per_state() -> None:
+    # vLLM hands a Mamba layer over as typed views of one raw page per block (conv bf16, ssm float32).
+    blocks, page = 4, 64
+    raw = torch.zeros(blocks * page, dtype=torch.int8)
+    conv = torch.as_strided(raw.view(torch.bfloat16), (blocks, 4), (page // 2, 1), 0)
+    ssm = torch.as_strided(raw.view(torch.float32), (blocks, 8), (page // 4, 1), 2)
+    conv.copy_(torch.arange(16, dtype=torch.float32).view(blocks, 4))
+    ssm.copy_(-torch.arange(32, dtype=torch.float32).view(blocks, 8) / 8)
+    reader = online_audit.BlockReader({"layer.0": [conv, ssm]})
+    values = reader.values(None, [2, 1], reader.tensors(["layer.0"]))  # type: ignore[arg-type]
+    expected = torch.cat([conv[[2, 1]].float().reshape(-1), ssm[[2, 1]].reshape(-1)])
+    assert torch.equal(values, expected)
+
+
+def test_the_vectorised_distance_is_the_pure_one() -> None:
+    from array import array
+
+    from kvpolicy.audit import relative_distance
+
+    generator = torch.Generator().manual_seed(3)
+    a = array("f", torch.randn(1000, generator=generator).tolist())
+    b = array("f", (torch.tensor(a) + 1e-3 * torch.randn(1000, generator=generator)).tolist())
+    b[5] = a[5] = float("nan")
+    assert online_audit.tensor_distance(a, b) == pytest.approx(relative_distance(a, b), rel=1e-9)
+    assert online_audit.tensor_distance(array("f", [2.0] * 10), array("f", [0.0] * 10)) == 1.0
+    assert math.isnan(online_audit.tensor_distance(a, array("f", [0.0] * 1000)))  # NaN against a number
