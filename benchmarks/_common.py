@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 import os
+import random
 import statistics
 import sys
 import threading
@@ -89,6 +90,26 @@ def _numeric(text: str) -> bool:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
+
+
+def median_ci(values: Sequence[float], *, level: float = 0.95, resamples: int = 2000) -> tuple[float, float]:
+    """Bootstrap confidence interval of the median of *values* (percentile method, fixed seed)."""
+    if len(values) < 2:
+        return (math.nan, math.nan)
+    generator = random.Random(0)
+    medians = sorted(statistics.median(generator.choices(values, k=len(values))) for _ in range(resamples))
+    low = medians[int((1 - level) / 2 * resamples)]
+    high = medians[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return low, high
+
+
+def verdict(value: float, interval: tuple[float, float], target: float) -> str:
+    """MET / MISSED against a lower bound, saying when the miss is inside the noise."""
+    if value >= target:
+        return "MET"
+    if interval[1] >= target:
+        return f"MISSED by {target - value:.2f}, but within the 95% interval ({interval[0]:.2f}-{interval[1]:.2f})"
+    return f"MISSED by {target - value:.2f} (95% interval {interval[0]:.2f}-{interval[1]:.2f})"
 
 
 # --- ground truth --------------------------------------------------------------------------------

@@ -204,7 +204,8 @@ def digest_part(args: argparse.Namespace) -> None:
     print()
     print(
         f"digest: the capped blocks of one audited step ({AUDIT_REQUESTS_PER_STEP} requests x "
-        f"{AUDIT_BLOCKS_PER_REQUEST} blocks), every layer of the group, CPU tensors, tp={args.digest_tp}, policy default"
+        f"{AUDIT_BLOCKS_PER_REQUEST} blocks), every layer of the group, CPU tensors, tp={args.digest_tp}, "
+        "policy default"
     )
     print(
         table(

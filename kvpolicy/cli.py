@@ -140,7 +140,8 @@ def _physical_true_factors(layout: object) -> dict[str, object]:
 
     truth: dict[str, object] = {}
     for index, group in enumerate(layout.groups):  # type: ignore[attr-defined]
-        members = [member_factor(member.spec, layout.total_num_kv_heads) for member in group.members]  # type: ignore[attr-defined]
+        heads = layout.total_num_kv_heads  # type: ignore[attr-defined]
+        members = [member_factor(member.spec, heads) for member in group.members]
         truth[group.name or f"group-{index}"] = lambda tp_size, members=members: math.gcd(
             *(member(tp_size) for member in members)
         )
@@ -176,7 +177,8 @@ def _audit(args: argparse.Namespace) -> int:
             )
     except ReplicationAuditError as error:
         if args.format == "json":
-            print(json.dumps({"policy": policy.name, "target": target, "tp": args.tp, "enforced": str(error)}, indent=2))
+            payload = {"policy": policy.name, "target": target, "tp": args.tp, "enforced": str(error)}
+            print(json.dumps(payload, indent=2))
         else:
             print(f"audit: policy {policy.name}, {target}, tp={args.tp}: stopped (audit: enforce)")
             print(error)

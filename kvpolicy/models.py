@@ -11,6 +11,7 @@ import math
 import re
 import string
 from enum import Enum
+from collections.abc import Iterator
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
@@ -51,6 +52,10 @@ KEY_TEMPLATE_FIELDS = (
     "pp_rank",
     "group",
 )
+_DELIMITED_AFTER = ("cache_prefix",)
+"""Fields that end in their own separator: {cache_prefix} renders with a trailing '@' (or not at all)."""
+_DELIMITED_BEFORE = ("store_namespace",)
+"""Fields that start with their own separator: {store_namespace} is empty or starts with '@'."""
 REQUIRED_KEY_TEMPLATE_FIELDS = ("model", "shard", "pcp_rank", "dcp_rank", "pp_rank", "group")
 """Without any of these, two different namespaces would render the same key."""
 
@@ -195,6 +200,14 @@ class KeyFormat(Document):
                 f"unknown key template field {{{unknown[0]}}}; known: "
                 + ", ".join(f"{{{name}}}" for name in KEY_TEMPLATE_FIELDS)
             )
+        for (_, before, _, _), (between, after, _, _) in zip(parts, parts[1:]):
+            if before is None or after is None or before in _DELIMITED_AFTER or after in _DELIMITED_BEFORE:
+                continue
+            if not any(not character.isdigit() for character in between):
+                raise ValueError(
+                    f"key template fields {{{before}}} and {{{after}}} need a separator (e.g. '@') between them; "
+                    "otherwise different values render the same key"
+                )
         missing = [name for name in REQUIRED_KEY_TEMPLATE_FIELDS if name not in used]
         if missing:
             raise ValueError(
@@ -266,6 +279,24 @@ class Policy(Document):
 
 
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+MAX_LAYOUT_LAYERS = 200_000
+"""Layer names one layout may expand to; real models have a few hundred at most."""
+
+
+def _expanded_count(pattern: str) -> int:
+    return math.prod(max(0, int(high) - int(low) + 1) for low, high in _RANGE.findall(pattern))
+
+
+def _layer_patterns(raw_layout: Any) -> Iterator[str]:
+    """The layer-name patterns of a raw (not yet validated) layout document, wherever they stand."""
+    groups = raw_layout.get("groups") if isinstance(raw_layout, dict) else None
+    for group in groups if isinstance(groups, list) else ():
+        if not isinstance(group, dict):
+            continue
+        members = [group, *(group.get("uniform") if isinstance(group.get("uniform"), list) else ())]
+        for member in members:
+            layers = member.get("layers") if isinstance(member, dict) else None
+            yield from (layers,) if isinstance(layers, str) else (p for p in layers or () if isinstance(p, str))
 
 
 def expand_layer_pattern(pattern: str) -> tuple[str, ...]:
@@ -376,6 +407,16 @@ class Layout(Document):
     """Model-wide number of KV heads (vLLM's ``model_config.get_total_num_kv_heads()``)."""
     groups: tuple[Group, ...] = Field(min_length=1)
     """Groups in vLLM's order; a group's index is its position here."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_expansion(cls, data: Any) -> Any:
+        # Checked on the raw patterns, before any is expanded: each pattern is bounded on its own,
+        # but a few hundred bytes of ranges could still ask for millions of names in total.
+        total = sum(_expanded_count(pattern) for pattern in _layer_patterns(data))
+        if total > MAX_LAYOUT_LAYERS:
+            raise ValueError(f"the layer names expand to {total} layers; a layout may have at most {MAX_LAYOUT_LAYERS}")
+        return data
 
 
 class Topology(Document):

@@ -1067,7 +1067,9 @@ def _run(
         pool.release(leased)
 
 
-def _audit_state(policy: Policy, plan: Plan, layout: Layout, context: KeyContext, audit: bool | None) -> AuditState | None:
+def _audit_state(
+    policy: Policy, plan: Plan, layout: Layout, context: KeyContext, audit: bool | None
+) -> AuditState | None:
     """The cold instance's audit, or None when the run does not audit (see ``run_consistency``)."""
     if audit is False:
         return None

@@ -207,13 +207,21 @@ def key_templates() -> st.SearchStrategy[str]:
         st.sampled_from(("@", ":", "/", "-", "{", "}", "{{", "}}", "{}", "{0}", "{model.__class__}", "{shard[0]}")),
         st.text(string.ascii_letters + "@:_", max_size=5),
     )
-    required = st.permutations([f"@{name}:{{{name}}}" for name in KEY_TEMPLATE_FIELDS]).map("".join)
-    return st.one_of(
-        st.lists(piece, max_size=14).map("".join),
-        st.tuples(required, st.lists(piece, max_size=3).map("".join), st.integers(0, 200)).map(
-            lambda t: t[0][: t[2]] + t[1] + t[0][t[2] :]
-        ),
-    )
+    segments = st.permutations([f"@{name}:{{{name}}}" for name in KEY_TEMPLATE_FIELDS])
+
+    @st.composite
+    def spliced(draw: Any) -> str:
+        """Every field, with separators, plus pieces spliced in between segments; sometimes one
+        field escaped ("{{shard}}" is the literal text "{shard}", not the field)."""
+        parts = list(draw(segments))
+        if draw(st.booleans()):
+            index = draw(st.integers(0, len(parts) - 1))
+            parts[index] = parts[index].replace("{", "{{").replace("}", "}}")
+        for extra in draw(st.lists(piece, min_size=0, max_size=3)):
+            parts.insert(draw(st.integers(0, len(parts))), extra)
+        return "".join(parts)
+
+    return st.one_of(st.lists(piece, max_size=14).map("".join), spliced())
 
 
 NAMESPACES = tuple(
@@ -517,7 +525,10 @@ def yaml_snippets(draw: Any) -> str:
     )
 
 
-TEXT_OPERATIONS = ("truncate", "delete-line", "duplicate-line", "swap-lines", "indent", "unicode", "snippet", "value")
+TAGS = ("!!bool", "!!timestamp", "!!int", "!!float", "!!binary", "!!null", "!!str", "!!map", "!!seq", "!!set",
+        "!!omap", "!!pairs", "!!merge", "!!python/none", "!!python/tuple", "!custom", "!<tag:yaml.org,2002:bool>")
+TEXT_OPERATIONS = ("truncate", "delete-line", "duplicate-line", "swap-lines", "indent", "unicode", "snippet", "value",
+                   "tag")
 
 
 @st.composite
@@ -548,6 +559,10 @@ def mutated_texts(draw: Any) -> str:
             indent = draw(st.sampled_from(("", "  ", "    ")))
             snippet = "".join(indent + row for row in draw(yaml_snippets()).splitlines(keepends=True))
             lines.insert(line, snippet)
+        elif operation == "tag":  # an explicit tag on a value: "version: !!bool 1"
+            head, sep, tail = lines[line].partition(": ")
+            if sep:
+                lines[line] = head + sep + draw(st.sampled_from(TAGS)) + " " + tail
         else:  # replace the value of a "key: value" line
             head, sep, _ = lines[line].partition(": ")
             if sep:

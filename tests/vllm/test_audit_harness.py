@@ -301,7 +301,8 @@ def _replicated_ranks(
     )
     policy = with_audit(load_policy(policy_source), AuditMode.WARN)
     plan = make_plan(policy, layout, Topology(tp_size=tp_size))
-    state = AuditState(plan, replan=lambda demoted: make_plan(policy, layout, Topology(tp_size=tp_size), demoted=demoted))
+    topology = Topology(tp_size=tp_size)
+    state = AuditState(plan, replan=lambda demoted: make_plan(policy, layout, topology, demoted=demoted))
     leased = clients.acquire(tp_size)
     ranks = []
     try:
