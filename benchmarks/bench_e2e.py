@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"CPU time of the engine process per warm request, stock / kvpolicy (median of pairs): "
         f"{statistics.median(paired_cpu):.3f} (95% CI {median_ci(paired_cpu)[0]:.3f}-{median_ci(paired_cpu)[1]:.3f}); "
-        "CPU time excludes waiting for a core, so other processes disturb it far less than wall time"
+        "CPU time excludes time spent waiting for a core"
     )
     print(f"target: >= {TARGET}: {verdict(ratio, interval, TARGET)}")
     print(

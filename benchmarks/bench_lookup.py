@@ -17,7 +17,7 @@ Shapes are scaled down (they do not change which keys are checked): block 16, on
 attention 1 KV head x 16, Mamba dims <= 4.
 
     python benchmarks/bench_lookup.py [--tokens 32768] [--tp 2 4 8] [--layouts NAME ...]
-        [--policies default vllm-compat no-dedup] [--repeat 5]
+        [--policies default vllm-compat no-dedup] [--repeat 9]
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--layouts", nargs="*")
     parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 

@@ -1263,6 +1263,10 @@ def archetype_from_layout(
     ``layers_per_group`` keeps only the first layers of each group (of each entry of a uniform
     group). ``true_factors`` maps each group name (``group-<index>`` when unnamed) to its ground
     truth, tp_size → TP ranks holding identical bytes, stated independently of any policy.
+
+    The archetype is registered for this process under ``name`` (default ``layout-<model
+    basename>``), replacing one of that name. vLLM pads a smaller page only for Mamba and non-MLA
+    attention, so next to Mamba state an MLA page must stay the larger: ``head_size`` >= 16 does.
     """
     kinds: dict[str, _LayerKind] = {}
     layers: list[tuple[str, str]] = []
