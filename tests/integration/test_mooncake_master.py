@@ -114,7 +114,10 @@ def listening_sockets(pid: int) -> set[tuple[str, int]]:
     """(address, port) of every TCP socket of *pid* in LISTEN state, from /proc."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with_target = os.readlink(fd)
+        try:
+            with_target = os.readlink(fd)
+        except FileNotFoundError:
+            continue  # closed by the master between listing and reading; it was not a listener
         if with_target.startswith("socket:["):
             inodes.add(with_target[len("socket:[") : -1])
     found = set()
