@@ -159,7 +159,8 @@ def _engine_run(master: MooncakeMaster) -> bool:
         "kv_connector_extra_config": {"kvpolicy": "default"},
     }
     with tempfile.TemporaryDirectory(prefix="kvpolicy-demo-") as workdir:
-        model = make_tiny_llama(Path(workdir) / "tiny-llama", num_kv_heads=2)
+        with _stderr_to(Path(tempfile.gettempdir()) / f"kvpolicy-demo-{os.getpid()}.log"):  # progress bars
+            model = make_tiny_llama(Path(workdir) / "tiny-llama", num_kv_heads=2)
         store_config = engine_store_config(small_client_config(master), Path(workdir) / "mooncake.json")
         # Engines mount no segment of their own (so the warm one can read what the cold one wrote after
         # it exited); this process holds the store's memory.
