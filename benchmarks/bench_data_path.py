@@ -167,7 +167,7 @@ def run_layout(stem: str, layout: Any, args: argparse.Namespace, pool: Any) -> d
             pair.remove_objects()
         puts = [_concat(store.puts) for store in kv.cold.stores]
         gets = [_concat(store.gets) for store in kv.warm.stores]
-        calls = {
+        calls_per_rank = {
             "store": max(len(store.puts) + len(store.exists) for store in kv.cold.stores),
             "load": max(len(store.gets) for store in kv.warm.stores),
         }
@@ -238,6 +238,7 @@ def run_layout(stem: str, layout: Any, args: argparse.Namespace, pool: Any) -> d
         failures: list[str] = []
         attempt = 0
         deadline = time.monotonic() + args.min_seconds
+
         def done() -> int:
             return len(times["store"]["raw"])
 
@@ -284,7 +285,7 @@ def run_layout(stem: str, layout: Any, args: argparse.Namespace, pool: Any) -> d
             },
             "objects": {"store": sum(len(keys) for keys, _, _ in puts), "load": sum(len(keys) for keys, _, _ in gets)},
             "stock_objects": stock_objects,
-            "calls": calls,
+            "calls": calls_per_rank,
             "exist_ms": median(probe) * 1000,
             "factors": ",".join(str(factor) for factor in kv.cold.plan.factors),
             "failures": failures,
