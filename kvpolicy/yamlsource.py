@@ -8,7 +8,7 @@ can point at the exact line and column. Duplicate keys, which PyYAML silently me
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 from yaml.constructor import SafeConstructor
@@ -18,11 +18,13 @@ from kvpolicy.diagnostics import Diagnostic
 Path = tuple[str | int, ...]
 MAX_DOCUMENT_BYTES = 4 * 1024 * 1024
 MAX_NODES = 200_000
+_STR_TAG = "tag:yaml.org,2002:str"
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the C parser keeps line/column marks too
 
 
-@dataclass(frozen=True)
-class Position:
+class Position(NamedTuple):
+    """Where a key or value starts; a tuple because a document has tens of thousands of them."""
+
     line: int
     """1-based."""
     column: int
@@ -99,6 +101,8 @@ class _Builder:
         return self._scalar(node, deep=True)
 
     def _scalar(self, node: yaml.Node, *, deep: bool) -> Any:
+        if node.tag == _STR_TAG:
+            return node.value  # most scalars; what SafeConstructor would return, without its dispatch
         try:
             construct = self.constructor.yaml_constructors.get(node.tag)
             if construct is not None:  # the common case, without construct_object's recursion bookkeeping
