@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
 import signal
 import statistics
 import subprocess
@@ -69,22 +68,6 @@ CONNECTORS: dict[str, dict[str, Any]] = {
 # --- the child: one engine, requests on demand ----------------------------------------------------
 
 
-def _drain(llm: Any, timeout: float = 60.0) -> bool:
-    """Step the engine until the connector's store jobs have completed (the engine core runs in this
-    process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
-    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
-    scheduler = getattr(core, "scheduler", None)
-    if scheduler is None:
-        return False
-    deadline = time.monotonic() + timeout
-    while scheduler.has_requests():
-        if time.monotonic() > deadline:
-            return False
-        llm.llm_engine.step()
-        time.sleep(0.001)
-    return True
-
-
 def child(spec_path: str) -> int:
     """Build the engine, answer ``ready``, then serve one JSON command per stdin line (a prompt to
     generate for); reply with one JSON line each on the original stdout."""
@@ -94,6 +77,8 @@ def child(spec_path: str) -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+
+    from kvpolicy.vllm.e2e import drain_saves
 
     spec = json.loads(Path(spec_path).read_text())
     started = time.monotonic()
@@ -117,7 +102,7 @@ def child(spec_path: str) -> int:
         began, began_cpu = time.perf_counter(), time.process_time()
         outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         elapsed, cpu = time.perf_counter() - began, time.process_time() - began_cpu
-        drained = _drain(llm)
+        drained = drain_saves(llm)
         return {
             "s": elapsed,
             "cpu": cpu,
@@ -298,7 +283,6 @@ def main(argv: list[str] | None = None) -> int:
         return child(args.child)
 
     from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.mooncake.master import find_master_binary
     from kvpolicy.mooncake.testing import small_client_config
     from kvpolicy.vllm.e2e import SegmentHolder, engine_store_config
     from kvpolicy.vllm.tinymodel import make_tiny_llama
@@ -308,11 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvpolicy-bench-e2e-") as directory:
         scratch = Path(directory)
         model = make_tiny_llama(scratch / "tiny-llama", num_kv_heads=args.kv_heads)
-        wrapper = scratch / "mooncake_master"
-        binary = shlex.quote(find_master_binary())
-        wrapper.write_text(f'#!/bin/sh\nexec {binary} "$@" --default_kv_lease_ttl={LEASE_TTL_MS}\n')
-        wrapper.chmod(0o755)
-        with MooncakeMaster(binary=wrapper) as master:
+        with MooncakeMaster(object_lease_ms=LEASE_TTL_MS) as master:
             store_config = engine_store_config(small_client_config(master), scratch / "engine.json")
             with SegmentHolder(master.rpc_address, segment_mib=256):
                 for pair in range(args.pairs):

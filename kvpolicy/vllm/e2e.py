@@ -393,14 +393,14 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
             "prompt_len": len(spec["prompt_token_ids"]),
             "startup_s": startup,
             "generate_s": generate,
-            "saves_drained": _drain_saves(llm, float(spec.get("drain_timeout", 60.0))),
+            "saves_drained": drain_saves(llm, float(spec.get("drain_timeout", 60.0))),
         }
     except BaseException:
         _shutdown(llm)
         raise
 
 
-def _drain_saves(llm: Any, timeout: float) -> bool:
+def drain_saves(llm: Any, timeout: float = 60.0) -> bool:
     """Step the engine until the connector's store jobs have completed; False on timeout.
 
     ``LLM.generate`` returns when the request has finished, while the connector may still be
