@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvpolicy-bench-e2e-") as directory:
         scratch = Path(directory)
         model = make_tiny_llama(scratch / "tiny-llama", num_kv_heads=args.kv_heads)
-        with MooncakeMaster(object_lease_ms=LEASE_TTL_MS) as master:
+        with MooncakeMaster(object_lease_ms=LEASE_TTL_MS, client_ttl_s=120) as master:
             store_config = engine_store_config(small_client_config(master), scratch / "engine.json")
             with SegmentHolder(master.rpc_address, segment_mib=256):
                 for pair in range(args.pairs):

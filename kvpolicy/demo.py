@@ -63,7 +63,7 @@ def run_demo(*, tp_size: int = 4, with_engine: bool = True) -> int:
     verdicts: list[bool] = []
     _step(1, "starting an embedded Mooncake master on 127.0.0.1")
     # A long object lease: on a busy 2-core machine a warm read can stall past Mooncake's default 10 s.
-    with MooncakeMaster(object_lease_ms=120_000) as master:
+    with MooncakeMaster(object_lease_ms=120_000, client_ttl_s=120) as master:
         master_pid = master.pid
         _say(f"  master pid {master_pid}, rpc {master.rpc_address}, metrics {master.metrics_url}")
 

@@ -85,12 +85,16 @@ class MooncakeMaster:
         *,
         start_timeout: float = 20.0,
         object_lease_ms: int | None = None,
+        client_ttl_s: int | None = None,
     ) -> None:
         self._binary = binary
         self._start_timeout = start_timeout
         self._object_lease_ms = object_lease_ms
         """Mooncake's object lease (its default is 10 s): a read slower than this fails with
         LEASE_EXPIRED, which a starved 2-core test machine can hit."""
+        self._client_ttl_s = client_ttl_s
+        """Seconds a client stays alive without a heartbeat (Mooncake's default is 10): past it the master
+        unmounts the client's segment and drops its objects, which a starved machine can also hit."""
         self._process: subprocess.Popen[bytes] | None = None
         self._log_path: Path | None = None
         self.rpc_port = 0
@@ -146,6 +150,7 @@ class MooncakeMaster:
                     # glog to stderr (our log file), never to files of its own under /tmp.
                     "--logtostderr=true",
                     *([f"--default_kv_lease_ttl={self._object_lease_ms}"] if self._object_lease_ms else []),
+                    *([f"--client_ttl={self._client_ttl_s}"] if self._client_ttl_s else []),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,

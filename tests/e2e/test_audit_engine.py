@@ -66,12 +66,15 @@ WRONG_MIN_DIFF = 0.05
 LEASE_TTL_MS = 120_000
 """Mooncake's default 10 s object lease has expired under a warm engine's batch get on a loaded
 2-core machine (LEASE_EXPIRED fails the load); see tests/e2e/test_vllm_engine.py."""
+CLIENT_TTL_S = 120
+"""Mooncake drops a client's segment (and every object in it) after 10 s without a heartbeat; the
+segment holder starves that long while two TP engines saturate both cores."""
 
 
 @pytest.fixture(scope="module")
 def long_lease_master() -> Iterator[MooncakeMaster]:
     """A loopback master for this module whose object lease outlasts a slow warm load."""
-    with MooncakeMaster(object_lease_ms=LEASE_TTL_MS) as master:
+    with MooncakeMaster(object_lease_ms=LEASE_TTL_MS, client_ttl_s=CLIENT_TTL_S) as master:
         yield master
 
 

@@ -65,6 +65,9 @@ LEASE_TTL_MS = 120_000
 """Mooncake's default object lease is 10 s. On a loaded 2-core machine a warm engine's batch get
 has been seen to take longer than that (both ranks at once), which fails the load with
 LEASE_EXPIRED; the test master gets a lease that no healthy run comes near."""
+CLIENT_TTL_S = 120
+"""Mooncake drops a client's segment (and every object in it) after 10 s without a heartbeat; the
+segment holder starves that long while two TP engines saturate both cores."""
 
 
 def policy_config(policy: str | os.PathLike[str]) -> dict[str, object]:
@@ -79,7 +82,7 @@ def policy_config(policy: str | os.PathLike[str]) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def e2e_master() -> Iterator[MooncakeMaster]:
     """A master for this module only, with a long object lease (see :data:`LEASE_TTL_MS`)."""
-    with MooncakeMaster(object_lease_ms=LEASE_TTL_MS) as master:
+    with MooncakeMaster(object_lease_ms=LEASE_TTL_MS, client_ttl_s=CLIENT_TTL_S) as master:
         yield master
 
 
