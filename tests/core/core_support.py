@@ -82,3 +82,22 @@ def upstream_factor(group: Any, *, tp_size: int, dcp_size: int, total_num_kv_hea
         return tp_size
     # 5. otherwise max(1, tp_size // total_num_kv_heads)
     return max(1, tp_size // total_num_kv_heads)
+
+
+# An MLA group (replicated) and a Mamba group (sharded): the two sides of the replication audit.
+HYBRID_AUDIT_LAYOUT = textwrap.dedent(
+    """\
+    version: 1
+    kind: ModelLayout
+    model: org/hybrid
+    total_num_kv_heads: 1
+    groups:
+      - name: mla
+        spec: {type: MLAAttentionSpec, bases: [FullAttentionSpec, AttentionSpec, KVCacheSpec], block_size: 16,
+               page_size_bytes: 1024, fields: {max_tp_shards: 1}}
+        layers: [l.0.attn]
+      - name: state
+        spec: {type: MambaSpec, bases: [KVCacheSpec], block_size: 16, page_size_bytes: 512, fields: {tp_replicated: false}}
+        layers: [l.1.mixer]
+    """
+)

@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
+from core_support import HYBRID_AUDIT_LAYOUT as LAYOUT
 
 from kvpolicy.audit import Digest, Verdict, audited_groups, describe, digest_blocks, judge
 from kvpolicy.engine import plan
 from kvpolicy.loader import load_layout, load_policy
 from kvpolicy.models import Topology
-
-LAYOUT = textwrap.dedent(
-    """\
-    version: 1
-    kind: ModelLayout
-    model: org/hybrid
-    total_num_kv_heads: 1
-    groups:
-      - name: mla
-        spec: {type: MLAAttentionSpec, bases: [FullAttentionSpec, AttentionSpec, KVCacheSpec], block_size: 16,
-               page_size_bytes: 1024, fields: {max_tp_shards: 1}}
-        layers: [l.0.attn]
-      - name: state
-        spec: {type: MambaSpec, bases: [KVCacheSpec], block_size: 16, page_size_bytes: 512, fields: {tp_replicated: false}}
-        layers: [l.1.mixer]
-    """
-)
 
 
 @pytest.fixture

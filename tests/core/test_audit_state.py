@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import textwrap
 from pathlib import Path
 
 import pytest
+from core_support import HYBRID_AUDIT_LAYOUT as LAYOUT
 
 from kvpolicy.audit import (
     REPLICA_TOLERANCE,
@@ -30,22 +30,6 @@ from kvpolicy.loader import load_layout, load_policy
 from kvpolicy.models import Audit, AuditMode, Topology
 from kvpolicy.report import format_plan_table, plan_to_json
 
-LAYOUT = textwrap.dedent(
-    """\
-    version: 1
-    kind: ModelLayout
-    model: org/hybrid
-    total_num_kv_heads: 1
-    groups:
-      - name: mla
-        spec: {type: MLAAttentionSpec, bases: [FullAttentionSpec, AttentionSpec, KVCacheSpec], block_size: 16,
-               page_size_bytes: 1024, fields: {max_tp_shards: 1}}
-        layers: [l.0.attn]
-      - name: state
-        spec: {type: MambaSpec, bases: [KVCacheSpec], block_size: 16, page_size_bytes: 512, fields: {tp_replicated: false}}
-        layers: [l.1.mixer]
-    """
-)
 TP = 4
 SAME = Digest("d1", all_zero=False)
 OTHER = Digest("d2", all_zero=False)
