@@ -5,7 +5,9 @@ bytes. Before trusting a group with factor > 1, each rank digests the blocks it 
 it; the digests of one replica set must agree. This module is the pure half — digesting bytes and
 judging digests, and :class:`AuditState`, the per-instance state machine both callers drive: the
 connector gathers digests over vLLM's TP group and the harness over its simulated ranks, and both
-re-plan with ``demoted=`` what disagreed.
+re-plan with ``demoted=`` what disagreed. A demotion is published under :func:`demotion_key`, so a
+fresh instance of the same plan starts with it (``AuditState(..., inherited=...)``) instead of
+missing the fallback's objects until its own audit demotes again.
 
 Every rank of an instance holds its own :class:`AuditState`. It changes only in
 :meth:`AuditState.conclude`, from the digests of *all* ranks, so every rank reaches the same
@@ -272,6 +274,29 @@ def agreement_key(plan: Plan, group: int, *, pcp_rank: int = 0, pp_rank: int = 0
     return f"{plan.key_prefix(group, 0, pcp_rank, pp_rank)}@kvpolicy-audit-agreed@{plan.fingerprint}"
 
 
+def demotion_key(plan: Plan, group: int, *, pcp_rank: int = 0, pp_rank: int = 0) -> str:
+    """The store key an instance writes when its audit demoted ``group``; ``plan`` is the instance's
+    *initial* plan (:attr:`AuditState.initial_plan`), before any demotion.
+
+    Keyed on the initial plan, not on the plan the demotion produced, so that a fresh instance of the
+    same plan checks one batch of keys (one per group it would audit) and re-plans once, however
+    many steps the instance that published them took to demote its groups. It lives in the group's
+    first namespace of that (pcp, pp) rank, beside :func:`agreement_key`; its value is the demotion's
+    :func:`describe` line, at most :data:`DEMOTION_MESSAGE_LIMIT` characters.
+    """
+    return f"{plan.key_prefix(group, 0, pcp_rank, pp_rank)}@kvpolicy-audit-demoted@{plan.fingerprint}"
+
+
+DEMOTION_MESSAGE_LIMIT = 2000
+"""Characters of a :func:`describe` line kept in a :func:`demotion_key` object (the rules' file paths
+make the line's length unbounded; a marker is read at every start-up)."""
+
+
+def inherited_message(plan: Plan, message: str) -> str:
+    """How an instance reports a demotion another instance of ``plan`` (its initial plan) published."""
+    return f"another instance of plan {plan.fingerprint} found: {message}"
+
+
 @dataclass(frozen=True)
 class StepOutcome:
     """What one audited step concluded; identical on every rank that saw the same digests."""
@@ -298,14 +323,26 @@ class StepOutcome:
     def plan_changed(self) -> bool:
         return self.plan is not self.previous_plan
 
+    @property
+    def demotions(self) -> dict[int, str]:
+        """Group → :func:`describe` line, for each group this step demoted."""
+        return dict(zip(self.demoted, self.messages, strict=True))
+
 
 class AuditState:
     """One instance's audit: which groups to check, for how many steps, and what was found.
 
-    ``replan(demoted)`` returns the plan with the given groups forced to factor 1 (the engine's
-    ``plan(..., demoted=...)``). ``mode``/``steps`` override the plan's (the offline audit checks a
-    policy whose audit is off). ``steps`` counts audited steps: steps that saved something for a
-    group still under audit, whatever the verdict; ``steps: 0`` means no audit, like ``off``.
+    ``plan`` is the instance's initial plan. ``replan(demoted)`` returns the plan with the given
+    groups forced to factor 1 (the engine's ``plan(..., demoted=...)``). ``mode``/``steps`` override
+    the plan's (the offline audit checks a policy whose audit is off). ``steps`` counts audited
+    steps: steps that saved something for a group still under audit, whatever the verdict;
+    ``steps: 0`` means no audit, like ``off``.
+
+    ``inherited`` maps groups to the :func:`describe` line another instance of ``plan`` published
+    under :func:`demotion_key`. Under ``warn`` those groups start demoted (the plan starts as
+    ``replan(inherited)``) and are not audited; under ``enforce`` the constructor raises
+    :class:`ReplicationAuditError`; under ``off`` (or ``steps: 0``) they are ignored, as is any group
+    this instance would not audit. Every rank must pass the same ``inherited``.
     """
 
     def __init__(
@@ -315,6 +352,7 @@ class AuditState:
         replan: Callable[[frozenset[int]], Plan],
         mode: AuditMode | None = None,
         steps: int | None = None,
+        inherited: Mapping[int, str] | None = None,
     ) -> None:
         self._mode = plan.audit_mode if mode is None else mode
         self._steps = plan.audit_steps if steps is None else steps
@@ -323,12 +361,27 @@ class AuditState:
         if self._steps == 0:
             self._mode = AuditMode.OFF
         self._replan = replan
+        self._initial_plan = plan
         self._plan = plan
         self._statuses = initial_statuses(plan, mode=self._mode)
         self._demoted: frozenset[int] = frozenset(group.index for group in plan.groups if group.demoted)
         self._steps_done = 0
         self.history: list[StepOutcome] = []
         """Every step concluded so far, in order."""
+        self._inherited = {
+            group: str(message)
+            for group, message in sorted((inherited or {}).items())
+            if self._statuses.get(group) is AuditStatus.PENDING
+        }
+        if self._inherited and self._mode is AuditMode.ENFORCE:
+            raise ReplicationAuditError(
+                "\n".join(inherited_message(plan, message) for message in self._inherited.values())
+            )
+        if self._inherited:
+            self._demoted |= frozenset(self._inherited)
+            self._plan = replan(self._demoted)
+            for group in self._inherited:
+                self._statuses[group] = AuditStatus.DEMOTED
 
     @property
     def mode(self) -> AuditMode:
@@ -341,7 +394,19 @@ class AuditState:
 
     @property
     def plan(self) -> Plan:
+        """The plan the instance runs now."""
         return self._plan
+
+    @property
+    def initial_plan(self) -> Plan:
+        """The plan the instance was created with, before any demotion: :func:`demotion_key` names it."""
+        return self._initial_plan
+
+    @property
+    def inherited(self) -> dict[int, str]:
+        """A copy of the demotions this instance started with because another instance of its initial
+        plan published them: group → that instance's :func:`describe` line."""
+        return dict(self._inherited)
 
     @property
     def statuses(self) -> dict[int, AuditStatus]:

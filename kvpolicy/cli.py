@@ -17,7 +17,8 @@ from kvpolicy.diagnostics import Diagnostic, DocumentError, PlanError
 from kvpolicy.engine import plan as make_plan
 from kvpolicy.loader import _bundled_dir, check_file, load_layout, load_policy, shipped_policy_names
 from kvpolicy.models import Policy, Topology
-from kvpolicy.report import format_explanation, format_plan_table, plan_to_json
+from kvpolicy.report import format_explanation, format_plan_table, format_traffic, plan_to_json, traffic_to_json
+from kvpolicy.traffic import prompt_traffic
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -67,6 +68,16 @@ def _schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value <= 1 << 40:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens between 0 and 2**40, got {value}")
+    return value
+
+
 def _topology(args: argparse.Namespace) -> Topology:
     return Topology(tp_size=args.tp, pp_size=args.pp, pcp_size=args.pcp, dcp_size=args.dcp)
 
@@ -75,13 +86,18 @@ def _plan(args: argparse.Namespace) -> int:
     policy = load_policy(args.policy)
     layout = load_layout(args.layout)
     result = make_plan(policy, layout, _topology(args))
+    traffic = None if args.prompt_tokens is None else prompt_traffic(result, layout, args.prompt_tokens)
     if args.format == "json":
         payload = plan_to_json(result)
         if args.explain:
             payload["explanation"] = format_explanation(result).splitlines()
+        if traffic is not None:
+            payload["traffic"] = traffic_to_json(traffic)
         print(json.dumps(payload, indent=2))
         return 0
     print(format_plan_table(result))
+    if traffic is not None:
+        print(format_traffic(traffic))
     if args.explain:
         print()
         print(format_explanation(result))
@@ -258,6 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--pcp", type=int, default=1)
         command.add_argument("--dcp", type=int, default=1)
         command.add_argument("--format", choices=("text", "json"), default="text")
+        command.add_argument(
+            "--prompt-tokens",
+            type=_non_negative,
+            metavar="N",
+            help="also show the store objects one prompt of N tokens writes (cold) and reads (warm)",
+        )
         command.add_argument("--explain", action="store_true", default=name == "explain", help=argparse.SUPPRESS)
         command.set_defaults(run=run)
 

@@ -3,7 +3,9 @@
 1. start a master on 127.0.0.1; 2. validate the shipped policies and example layouts; 3. print the
 plan of a hybrid model (Kimi-Linear: MLA + KDA state); 4. run the multi-rank harness for a hybrid
 instance under ``default``, ``no-dedup`` and the pre-fix rule, through real Mooncake; 5. where vLLM
-runs, serve a tiny model cold then warm through ``KVPolicyConnector``. Stops everything it started.
+runs, serve a tiny hybrid (Qwen3-Next: Gated DeltaNet state next to attention) at TP=2, cold then
+warm, through ``KVPolicyConnector`` under ``default`` (warm equals cold) and the pre-fix rule (warm
+loads another rank's state and differs). Stops everything it started.
 """
 
 from __future__ import annotations
@@ -51,9 +53,14 @@ def _stderr_to(path: Path) -> Iterator[None]:
             os.close(saved)
 
 
-def _pre_fix_policy() -> Policy:
+def _pre_fix_path() -> Path:
+    """The pre-fix example policy: packaged with a wheel install, else in the checkout."""
     packaged = Path(__file__).resolve().parent / "examples_policies" / "pre-fix-single-factor.yaml"
-    return load_policy(packaged if packaged.is_file() else PRE_FIX_POLICY)
+    return packaged if packaged.is_file() else PRE_FIX_POLICY
+
+
+def _pre_fix_policy() -> Policy:
+    return load_policy(_pre_fix_path())
 
 
 def run_demo(*, tp_size: int = 4, with_engine: bool = True) -> int:
@@ -117,7 +124,7 @@ def run_demo(*, tp_size: int = 4, with_engine: bool = True) -> int:
         _say("   with audit: warn the ranks' digests disagree before the first save, the state group falls back to")
         _say("   factor 1 in its own namespace, and every rank loads its own bytes)")
 
-        _step(5, "vLLM (CPU, TP=1): tiny model, cold engine then a fresh warm engine, through KVPolicyConnector")
+        _step(5, "vLLM (CPU, TP=2): a tiny hybrid (Gated DeltaNet + attention), cold then warm engines, through KVPolicyConnector")
         if with_engine:
             verdicts.append(_engine_run(master))
         else:
@@ -143,42 +150,86 @@ def _audit_line(group: object) -> str:
     return status
 
 
+HYBRID_ARCHITECTURE = "qwen3-next"
+"""The tiny hybrid the engine step serves: Gated DeltaNet state (sharded) next to attention with
+one KV head (replicated at TP=2), so ``default`` dedups one group and must not touch the other."""
+
+
+def _engine_policies() -> tuple[tuple[str, str, bool], ...]:
+    """(label, policy, must the warm engine equal the cold one?)."""
+    return (("default", "default", True), ("pre-fix", str(_pre_fix_path()), False))
+
+
 def _engine_run(master: MooncakeMaster) -> bool:
     try:
         from kvpolicy.mooncake.testing import small_client_config
-        from kvpolicy.vllm.e2e import SegmentHolder, engine_store_config, fixed_prompt, serve_once
-        from kvpolicy.vllm.tinymodel import make_tiny_llama
+        from kvpolicy.vllm.e2e import EngineFailed, SegmentHolder, engine_store_config, fixed_prompt, serve_once
+        from kvpolicy.vllm.tinymodel import ARCHITECTURES, make_tiny_model
     except ImportError as error:  # vLLM is optional for the demo; the harness above already ran
         _say(f"  skipped: vLLM is not importable here ({error})")
         return True
-    prompt = fixed_prompt()
-    config = {
-        "kv_connector": "KVPolicyConnector",
-        "kv_connector_module_path": "kvpolicy.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kvpolicy": "default"},
-    }
+    log = Path(tempfile.gettempdir()) / f"kvpolicy-demo-{os.getpid()}.log"
     with tempfile.TemporaryDirectory(prefix="kvpolicy-demo-") as workdir:
-        with _stderr_to(Path(tempfile.gettempdir()) / f"kvpolicy-demo-{os.getpid()}.log"):  # progress bars
-            model = make_tiny_llama(Path(workdir) / "tiny-llama", num_kv_heads=2)
         store_config = engine_store_config(small_client_config(master), Path(workdir) / "mooncake.json")
         # Engines mount no segment of their own (so the warm one can read what the cold one wrote after
         # it exited); this process holds the store's memory.
         with SegmentHolder(master.rpc_address):
-            results = []
-            for label in ("cold", "warm"):
-                _say(f"  serving the {len(prompt)}-token prompt in a fresh {label} engine process ...")
-                results.append(
-                    serve_once(model, prompt, tp_size=1, kv_transfer_config=config, mooncake_config_path=store_config)
+            entry = ARCHITECTURES[HYBRID_ARCHITECTURE]
+            with _stderr_to(log):  # progress bars
+                model = make_tiny_model(HYBRID_ARCHITECTURE, Path(workdir) / f"tiny-{entry.name}", num_kv_heads=1)
+            # Two full 96-token blocks (vLLM's hybrid block for this model) and one token to compute.
+            prompt = fixed_prompt(193)
+            try:
+                return _cold_and_warm(
+                    serve_once, model, prompt, store_config, master, tp_size=2, dtype=entry.dtype, hybrid=True
                 )
-    cold, warm = results
-    identical = cold.tokens == warm.tokens
-    _say(
-        f"  cold: {cold.num_cached_tokens} tokens loaded; warm: {warm.num_cached_tokens} of {len(prompt)} prompt tokens "
-        f"loaded from Mooncake; greedy tokens identical: {identical}; "
-        f"max |logprob difference| {cold.max_logprob_diff(warm):.2g}"
-    )
-    return cold.num_cached_tokens == 0 and warm.num_cached_tokens > 0 and identical
+            except EngineFailed as error:
+                reason = next((line for line in reversed(error.stderr.splitlines()) if "Error" in line), "see the log")
+                _say(f"  this machine cannot serve the hybrid at TP=2 ({reason.strip()[:200]}); serving the dense model")
+            with _stderr_to(log):
+                dense = make_tiny_model("llama", Path(workdir) / "tiny-llama", num_kv_heads=2)
+            return _cold_and_warm(
+                serve_once, dense, fixed_prompt(), store_config, master, tp_size=1, dtype="float32", hybrid=False
+            )
+
+
+def _cold_and_warm(serve, model, prompt, store_config, master, *, tp_size, dtype, hybrid) -> bool:  # noqa: ANN001
+    verdicts = []
+    for label, policy, must_match in _engine_policies():
+        config = {
+            "kv_connector": "KVPolicyConnector",
+            "kv_connector_module_path": "kvpolicy.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kvpolicy": policy, "cache_prefix": label},
+        }
+        results = []
+        for phase in ("cold", "warm"):
+            _say(f"  {label}: serving the {len(prompt)}-token prompt in a fresh {phase} engine process (tp={tp_size}) ...")
+            results.append(
+                serve(
+                    model,
+                    prompt,
+                    tp_size=tp_size,
+                    kv_transfer_config=config,
+                    mooncake_config_path=store_config,
+                    logprobs=20,
+                    dtype=dtype,
+                    hybrid=hybrid,
+                    master_metrics_url=master.metrics_url,
+                )
+            )
+        cold, warm = results
+        diff = cold.max_logprob_diff(warm)
+        identical = cold.tokens == warm.tokens and diff == 0.0
+        hit = cold.num_cached_tokens == 0 and warm.num_cached_tokens > 0
+        expectation = "must equal cold" if must_match else "must differ: a rank loads another rank's state"
+        _say(
+            f"    warm loaded {warm.num_cached_tokens} of {len(prompt)} prompt tokens from Mooncake; cold wrote "
+            f"{cold.traffic.objects_written if cold.traffic else '?'} objects; greedy tokens identical: "
+            f"{cold.tokens == warm.tokens}; max |logprob difference| {diff:.3g} ({expectation})"
+        )
+        verdicts.append(hit and (identical if must_match else diff > 0.05))
+    return all(verdicts)
 
 
 if __name__ == "__main__":

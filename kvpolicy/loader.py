@@ -49,6 +49,10 @@ def layouts_dir() -> FilePath:
     return _bundled_dir("examples_layouts")
 
 
+def schemas_dir() -> FilePath:
+    return _bundled_dir("schemas")
+
+
 def shipped_policy_names() -> tuple[str, ...]:
     return tuple(sorted(path.stem for path in policies_dir().glob("*.yaml")))
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from kvpolicy.audit import AuditStatus, initial_statuses
 from kvpolicy.plan import GroupPlan, Plan
+from kvpolicy.traffic import PromptTraffic
 
 
 def _writers(group: GroupPlan) -> str:
@@ -143,5 +144,41 @@ def plan_to_json(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = 
                 },
             }
             for group in plan.groups
+        ],
+    }
+
+
+def format_traffic(traffic: PromptTraffic) -> str:
+    """One prompt's store traffic: totals, then one line per group."""
+    lines = [
+        f"a prompt of {traffic.prompt_tokens} tokens (block {traffic.block_size}): a cold instance writes "
+        f"{traffic.objects_written} objects; a warm one loads {traffic.hit_tokens} tokens, reading "
+        f"{traffic.objects_read} objects"
+    ]
+    width = max(len(f"{group.group} {group.name}") for group in traffic.groups)
+    for group in traffic.groups:
+        label = f"{group.group} {group.name}"
+        lines.append(
+            f"  {label.ljust(width)}  {group.stores.value:14}  written {group.objects_written}, read {group.objects_read}"
+        )
+    return "\n".join(lines)
+
+
+def traffic_to_json(traffic: PromptTraffic) -> dict[str, Any]:
+    return {
+        "prompt_tokens": traffic.prompt_tokens,
+        "block_size": traffic.block_size,
+        "hit_tokens": traffic.hit_tokens,
+        "objects_written": traffic.objects_written,
+        "objects_read": traffic.objects_read,
+        "groups": [
+            {
+                "index": group.group,
+                "name": group.name,
+                "stores": group.stores.value,
+                "objects_written": group.objects_written,
+                "objects_read": group.objects_read,
+            }
+            for group in traffic.groups
         ],
     }

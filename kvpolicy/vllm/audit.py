@@ -29,6 +29,11 @@ The pure half (digests, verdicts, the per-instance :class:`~kvpolicy.audit.Audit
   :func:`~kvpolicy.audit.agreement_key` there. Without it, the first request of a fresh instance
   could load objects a trusting (``audit: off``) instance wrote under a wrong rule before this
   instance's audit ever ran.
+* :func:`write_demotions` / :func:`read_demotions` / :func:`agree_on_demotions`: a demotion is
+  published under :func:`~kvpolicy.audit.demotion_key` of the instance's initial plan, and a fresh
+  instance of that plan reads those markers at start-up, agrees on them over the TP group and
+  starts demoted, so it hits the fallback's objects at once instead of missing until its own audit
+  demotes again.
 
 **The cap.** At most :data:`AUDIT_REQUESTS_PER_STEP` saving requests per step (in metadata order)
 and the last :data:`AUDIT_BLOCKS_PER_REQUEST` blocks each request saves for a group are digested:
@@ -46,7 +51,10 @@ lookup gate (it reads agreement markers but never changes what is audited), not 
 (rank 0 alone logs, writes markers and records stats — after the collective, and none of that
 feeds back). The second gather happens or not by a decision taken from the first gather's result,
 which every rank holds identically; a rank that cannot sample still joins it (reporting ``None``,
-which cannot pass as close).
+which cannot pass as close). Published demotions are rank-local reads (a store error, or a marker
+written between two ranks' reads, makes them differ), so they enter the :class:`AuditState` only
+through :func:`agree_on_demotions`, one gather at start-up that every rank makes whenever the plan
+has a group to audit — a decision taken from the plan alone — and whose union every rank holds.
 """
 
 from __future__ import annotations
@@ -63,21 +71,27 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     ChunkedTokenDatabase,
     MooncakeStoreConnectorMetadata,
 )
+from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from kvpolicy.audit import (
+    DEMOTION_MESSAGE_LIMIT,
     UNTRUSTED,
     AuditState,
     AuditStatus,
     Digest,
     StepOutcome,
     agreement_key,
+    demotion_key,
     digest_blocks,
     distances_to_reference,
 )
 from kvpolicy.plan import Plan
 from kvpolicy.vllm import store as plan_store
+
+# Under "vllm." so records reach vLLM's own handler (it configures only the "vllm" logger tree).
+logger = init_logger(f"vllm.{__name__}")
 
 __all__ = [
     "AUDIT_BLOCKS_PER_REQUEST",
@@ -87,6 +101,7 @@ __all__ = [
     "BlockReader",
     "LookupGate",
     "SAMPLE_VALUES",
+    "agree_on_demotions",
     "blocks_to_audit",
     "conclude_step",
     "decode_report",
@@ -96,11 +111,13 @@ __all__ = [
     "gather_over_tp",
     "local_digests",
     "local_samples",
+    "read_demotions",
     "record_stats",
     "retarget",
     "revoke_agreements",
     "tensor_distance",
     "write_agreements",
+    "write_demotions",
 ]
 
 AUDIT_REQUESTS_PER_STEP = 4
@@ -519,3 +536,72 @@ class LookupGate:
                 self.closed_lookups += 1
                 return False
         return True
+
+
+# --- published demotions --------------------------------------------------------------------------
+
+
+def write_demotions(
+    store: Any, initial_plan: Plan, demotions: Mapping[int, str], *, pcp_rank: int = 0, pp_rank: int = 0
+) -> int:
+    """Put :func:`demotion_key` of ``initial_plan`` for each demoted group, its :func:`describe` line
+    (cut to :data:`DEMOTION_MESSAGE_LIMIT` characters) as the value; returns how many puts succeeded.
+
+    ``put`` keeps an existing object, so a second instance demoting the same group changes nothing.
+    """
+    written = 0
+    for group, message in demotions.items():
+        key = demotion_key(initial_plan, group, pcp_rank=pcp_rank, pp_rank=pp_rank)
+        written += store.put(key, message[:DEMOTION_MESSAGE_LIMIT].encode()) == 0
+    return written
+
+
+def read_demotions(
+    store: Any, initial_plan: Plan, groups: Iterable[int], *, pcp_rank: int = 0, pp_rank: int = 0
+) -> dict[int, str]:
+    """The demotions another instance of ``initial_plan`` published for ``groups``: group → its
+    :func:`describe` line. A store error counts as nothing found (logged): the instance then audits
+    the groups itself, as one that came first would."""
+    wanted = list(groups)
+    if not wanted:
+        return {}
+    keys = [demotion_key(initial_plan, group, pcp_rank=pcp_rank, pp_rank=pp_rank) for group in wanted]
+    try:
+        present = store.batch_is_exist(keys)
+        if any(exists < 0 for exists in present):
+            logger.warning(
+                "kvpolicy audit: the store could not tell whether plan %s's groups %s were demoted elsewhere "
+                "(codes %s); auditing them here",
+                initial_plan.fingerprint,
+                ",".join(str(group) for group, exists in zip(wanted, present, strict=True) if exists < 0),
+                ",".join(str(exists) for exists in present if exists < 0),
+            )
+        found: dict[int, str] = {}
+        for group, key, exists in zip(wanted, keys, present, strict=True):
+            if exists != 1:
+                continue
+            value = store.get(key)
+            # The marker's existence is the claim; its text only says why (empty: evicted since).
+            message = bytes(value).decode("utf-8", "replace")[:DEMOTION_MESSAGE_LIMIT] if value else ""
+            found[group] = message or f"group {group} was demoted (the marker's message could not be read)"
+        return found
+    except Exception:
+        logger.exception(
+            "kvpolicy audit: could not read the published demotions of plan %s; auditing as if there were none",
+            initial_plan.fingerprint,
+        )
+        return {}
+
+
+def agree_on_demotions(
+    found: Mapping[int, str], *, gather: Callable[[Any], Sequence[Any]] | None = None
+) -> dict[int, str]:
+    """The union of what every TP rank's :func:`read_demotions` found, identical on every rank
+    (a group's message is the lowest rank's). ``gather`` defaults to :func:`gather_over_tp`: one
+    collective, which every TP rank must make, in the same place."""
+    gathered = (gather or gather_over_tp)(dict(found))
+    agreed: dict[int, str] = {}
+    for rank_found in gathered:
+        for group, message in (rank_found or {}).items():
+            agreed.setdefault(int(group), str(message))
+    return dict(sorted(agreed.items()))

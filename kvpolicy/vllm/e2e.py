@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpolicy.mooncake.metrics import MasterCounters, delta
+
 RESULT_MARKER = "KVPOLICY_E2E_RESULT "
 """Prefix of the stdout line carrying the child's JSON result."""
 DEFAULT_BLOCK_SIZE = 32
@@ -76,6 +78,9 @@ class EngineResult:
     saves_drained: bool = True
     """Whether the child saw the connector report all its puts done before it exited (with the
     engine core in another process it can only shut down, which waits up to 5 s, and says False)."""
+    traffic: MasterCounters | None = None
+    """What the Mooncake master counted while this engine ran (objects written, read, keys
+    probed), when :func:`serve_once` was given the master's metrics URL."""
     stdout: str = field(default="", repr=False)
     stderr: str = field(default="", repr=False)
 
@@ -168,7 +173,7 @@ class SegmentHolder:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
-            env=_child_env({}),
+            env=_child_env({}, ()),
             start_new_session=True,
         )
         assert self._process.stdout is not None
@@ -211,11 +216,15 @@ class SegmentHolder:
         self.stop()
 
 
-def _child_env(extra: Mapping[str, str]) -> dict[str, str]:
+def _child_env(extra: Mapping[str, str], python_path: Sequence[str | os.PathLike[str]]) -> dict[str, str]:
     env = dict(os.environ)
-    paths = [str(_REPO_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.update(extra)
+    paths = [
+        *map(os.fspath, python_path),
+        str(_REPO_ROOT),
+        *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)),
+    ]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env
 
 
@@ -243,12 +252,24 @@ def serve_once(
     block_size: int = DEFAULT_BLOCK_SIZE,
     max_model_len: int = DEFAULT_MAX_MODEL_LEN,
     timeout: float = DEFAULT_TIMEOUT_S,
+    dtype: str = "float32",
+    hybrid: bool = False,
+    master_metrics_url: str | None = None,
+    python_path: Sequence[str | os.PathLike[str]] = (),
     extra_env: Mapping[str, str] | None = None,
 ) -> EngineResult:
     """Serve *prompt_token_ids* once in a fresh vLLM engine process and return what it produced.
 
-    Greedy sampling, ``enforce_eager``, prefix caching off (so ``num_cached_tokens`` counts only
-    tokens loaded through the connector), EOS ignored (always *max_tokens* tokens). The engine core
+    Greedy sampling, ``enforce_eager``, EOS ignored (always *max_tokens* tokens), the model served in
+    *dtype*. A dense model runs with prefix caching off; a *hybrid* (attention next to a recurrent
+    state) with prefix caching on and ``mamba_cache_mode="align"``, without which vLLM keeps no
+    state at block boundaries and the store connector refuses the model. Either way the engine is
+    fresh, so ``num_cached_tokens`` counts only tokens loaded through the connector.
+
+    With *master_metrics_url* the result's ``traffic`` is the master's counters over the engine's
+    life (only meaningful while nothing else uses that master). *python_path* entries go first on
+    the engine's ``PYTHONPATH``, which its TP workers inherit: the way to hand every process of the
+    engine a vLLM plugin (an entry point in ``vllm.general_plugins``). The engine core
     runs in the child (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); TP>1 adds the ``mp`` executor's
     worker processes, one core bound per rank. The child steps the engine until the connector's
     puts are done before it reports, so a following call can hit on them.
@@ -267,6 +288,8 @@ def serve_once(
         "logprobs": logprobs,
         "block_size": block_size,
         "max_model_len": max_model_len,
+        "dtype": dtype,
+        "hybrid": hybrid,
     }
     env = {
         "HF_HUB_OFFLINE": "1",
@@ -290,6 +313,7 @@ def serve_once(
         spec_path = Path(scratch) / "spec.json"
         spec_path.write_text(json.dumps(spec))
         stdout_path, stderr_path = Path(scratch) / "stdout", Path(scratch) / "stderr"
+        before = None if master_metrics_url is None else MasterCounters.read(master_metrics_url)
         started = time.monotonic()
         with stdout_path.open("w") as out, stderr_path.open("w") as err:
             process = subprocess.Popen(
@@ -297,7 +321,7 @@ def serve_once(
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
-                env=_child_env(env),
+                env=_child_env(env, python_path),
                 cwd=scratch,
                 start_new_session=True,
             )
@@ -309,6 +333,9 @@ def serve_once(
                 # Also reaps engine-core and worker processes the child left behind.
                 _kill_group(process)
         wall = time.monotonic() - started
+        traffic = None
+        if before is not None and master_metrics_url is not None:
+            traffic = delta(before, MasterCounters.read(master_metrics_url))
         stdout, stderr = stdout_path.read_text(errors="replace"), stderr_path.read_text(errors="replace")
 
     result_lines = [line for line in stdout.splitlines() if line.startswith(RESULT_MARKER)]
@@ -338,6 +365,7 @@ def serve_once(
         generate_s=float(data["generate_s"]),
         wall_s=wall,
         saves_drained=bool(data.get("saves_drained", False)),
+        traffic=traffic,
         stdout=stdout,
         stderr=stderr,
     )
@@ -352,15 +380,20 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     tp_size = int(spec["tp_size"])
+    hybrid_options: dict[str, Any] = (
+        {"enable_prefix_caching": True, "mamba_cache_mode": "align"}
+        if spec["hybrid"]
+        else {"enable_prefix_caching": False}
+    )
     started = time.monotonic()
     llm = LLM(
         model=spec["model"],
         tokenizer=spec["model"],
         tensor_parallel_size=tp_size,
         distributed_executor_backend="mp" if tp_size > 1 else None,
-        dtype="float32",
+        dtype=spec["dtype"],
         enforce_eager=True,
-        enable_prefix_caching=False,
+        **hybrid_options,
         block_size=int(spec["block_size"]),
         max_model_len=int(spec["max_model_len"]),
         max_num_seqs=4,

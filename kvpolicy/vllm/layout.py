@@ -36,8 +36,8 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return [_plain(item) for item in value]
     if isinstance(value, dict):
-        converted = ((_plain(key), _plain(item)) for key, item in value.items())
-        return {key if not isinstance(key, (list, dict)) else str(key): item for key, item in converted}
+        # String keys, as a layout file's mappings have them (the loader reads every key as a string).
+        return {str(_plain(key)): _plain(item) for key, item in value.items()}
     return str(value)
 
 

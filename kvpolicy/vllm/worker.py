@@ -4,8 +4,10 @@ and the online replication audit (see :mod:`kvpolicy.vllm.audit`)."""
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +26,11 @@ from vllm.v1.core.kv_cache_utils import BlockHash
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvpolicy.audit import AuditState, AuditStatus, ReplicationAuditError, StepOutcome
+from kvpolicy.dumper import dump_layout
 from kvpolicy.engine import plan as make_plan
 from kvpolicy.keys import KeyContext, model_basename
-from kvpolicy.models import Policy, Topology
+from kvpolicy.loader import schemas_dir
+from kvpolicy.models import Layout, Policy, Topology
 from kvpolicy.plan import Plan
 from kvpolicy.report import format_plan_table, plan_to_json
 from kvpolicy.vllm import audit as online_audit
@@ -39,9 +43,31 @@ logger = init_logger(f"vllm.{__name__}")
 PLAN_JSON_KEY = "kvpolicy_plan_json"
 """``kv_connector_extra_config`` key naming a file rank 0 writes the plan to, as JSON (rewritten
 after every audited step that changes a group's audit status)."""
+LAYOUT_OUT_KEY = "kvpolicy_layout_out"
+"""``kv_connector_extra_config`` key naming a file rank 0 writes, at start-up, the layout it planned
+(the ``ModelLayout`` of its ``KVCacheConfig``), for ``kvpolicy validate`` / ``plan --layout``."""
 
 AUDIT_STATS_OPERATION = online_audit.AUDIT_STATS_OPERATION
 AUDIT_DEMOTED_OPERATION = online_audit.AUDIT_DEMOTED_OPERATION
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``: a reader finds the previous file or the whole new one.
+
+    A fresh name opened with ``O_EXCL`` never follows a planted symlink; mode 0o666 leaves the umask
+    to decide, as a plain write would (``mkstemp``'s 0600 would hide the file from other users).
+    """
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 class KVPolicyStoreWorker(MooncakeStoreWorker):
@@ -56,24 +82,36 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
     TP ranks compare digests of those blocks; a group whose replica sets disagree is re-planned
     with factor 1 (new fingerprint, its own namespace) or, under ``enforce``, stops the engine.
     Until its audit agreed, a lookup uses a replicated group's shared namespace only where
-    another instance vouched for it (:class:`kvpolicy.vllm.audit.LookupGate`).
+    another instance vouched for it (:class:`kvpolicy.vllm.audit.LookupGate`). A demotion is
+    published, and a fresh instance of the same plan starts with it (:meth:`_start_audit`).
     """
+
+    _layout: Layout | None = None
+    """The layout the plan was made from, set by :meth:`_make_plan`; None before planning."""
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, policy: Policy) -> None:
         # Upstream's __init__ calls the override points, so everything they read is set first.
         assert vllm_config.kv_transfer_config is not None
         extra_config = vllm_config.kv_transfer_config.kv_connector_extra_config
+        is_first_rank = vllm_config.parallel_config.rank == 0
+        layout_out = extra_config.get(LAYOUT_OUT_KEY) if is_first_rank else None
         self._init_policy_state(
-            policy, model=vllm_config.model_config.model, cache_prefix=str(extra_config.get("cache_prefix", ""))
+            policy,
+            model=vllm_config.model_config.model,
+            cache_prefix=str(extra_config.get("cache_prefix", "")),
+            layout_out=Path(str(layout_out)) if layout_out else None,
         )
         super().__init__(vllm_config, kv_cache_config)
-        if vllm_config.parallel_config.rank == 0 and self._plan is not None:
+        if is_first_rank and self._plan is not None:
             self._report_plan(extra_config.get(PLAN_JSON_KEY))
 
-    def _init_policy_state(self, policy: Policy, *, model: str, cache_prefix: str) -> None:
+    def _init_policy_state(
+        self, policy: Policy, *, model: str, cache_prefix: str, layout_out: Path | None = None
+    ) -> None:
         """What the override points read besides upstream's own attributes (model and cache prefix
-        exactly as upstream reads them for ``KeyMetadata``)."""
+        exactly as upstream reads them for ``KeyMetadata``; where to capture the layout, on rank 0)."""
         self._policy = policy
+        self._layout_out = layout_out
         self._model = model
         self._cache_prefix = cache_prefix
         self._store_namespace = ""
@@ -124,24 +162,67 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             # Upstream sets num_kv_head to model_config.get_total_num_kv_heads().
             total_num_kv_heads=self.num_kv_head,
         )
+        self._layout = layout
         topology = Topology(
             tp_size=self.tp_size, pp_size=self.pp_size, pcp_size=self.pcp_size, dcp_size=self.dcp_size
         )
+        # Before planning: a policy that cannot plan this model is when its layout is needed most.
+        if self._layout_out is not None:
+            self._write_layout(self._layout_out, layout, topology)
         context = KeyContext.for_model(self._model, self._cache_prefix, self._store_namespace)
         policy = self._policy
 
         def replan(demoted: frozenset[int]) -> Plan:
             return make_plan(policy, layout, topology, key_context=context, demoted=demoted)
 
-        result = replan(frozenset())
-        self._audit = AuditState(result, replan=replan)
-        self._gate = online_audit.LookupGate(pcp_rank=self.pcp_rank, pp_rank=self.pp_rank)
-        if len(result.groups) != len(self._kv_cache_groups):
+        declared = replan(frozenset())
+        if len(declared.groups) != len(self._kv_cache_groups):
             raise RuntimeError(
-                f"kvpolicy planned {len(result.groups)} groups but the store coordinator has "
+                f"kvpolicy planned {len(declared.groups)} groups but the store coordinator has "
                 f"{len(self._kv_cache_groups)}; the layout adapter and vLLM disagree on the group selection"
             )
-        return result
+        self._audit = self._start_audit(declared, replan)
+        self._gate = online_audit.LookupGate(pcp_rank=self.pcp_rank, pp_rank=self.pp_rank)
+        return self._audit.plan
+
+    def _start_audit(self, declared: Plan, replan: Callable[[frozenset[int]], Plan]) -> AuditState:
+        """The audit this instance starts with: demoted already where another instance of ``declared``
+        published a demotion (:func:`kvpolicy.audit.demotion_key`), so that it loads the fallback's
+        objects from its first lookup.
+
+        Every TP rank reads the markers of its (pcp, pp) namespace and the ranks take the union
+        (:func:`kvpolicy.vllm.audit.agree_on_demotions`): a rank that alone saw a marker would
+        otherwise skip audited steps the others make, and hang them in the collective. Whether the
+        ranks gather at all depends on the plan only. Runs inside upstream's ``__init__``: the store
+        client exists, the send thread does not yet.
+        """
+        fresh = AuditState(declared, replan=replan)
+        groups = fresh.groups_to_audit()  # empty under audit: off, which trusts the rule and ignores markers
+        if not groups:
+            return fresh
+        found = online_audit.read_demotions(
+            self.store, declared, groups, pcp_rank=self.pcp_rank, pp_rank=self.pp_rank
+        )
+        inherited = online_audit.agree_on_demotions(found)
+        if not inherited:
+            return fresh
+        try:
+            state = AuditState(declared, replan=replan, inherited=inherited)
+        except ReplicationAuditError as error:
+            if self.tp_rank == 0:
+                logger.error("%s (audit: enforce stops the engine)", error)
+            raise
+        if self.tp_rank == 0:
+            logger.warning(
+                "kvpolicy audit: inherited demotion of group%s %s from another instance of this plan; "
+                "starting with factor 1 there (own namespace, plan fingerprint %s -> %s): %s",
+                "s" if len(state.inherited) > 1 else "",
+                ",".join(map(str, state.inherited)),
+                declared.fingerprint,
+                state.plan.fingerprint,
+                " | ".join(state.inherited.values()),
+            )
+        return state
 
     # --- the three override points ---------------------------------------------------------------
 
@@ -211,10 +292,29 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         if self._plan_json_path is None:
             return
         payload = plan_to_json(self._require_plan(), audit=self._statuses())
+        if self._audit is not None and self._audit.inherited:
+            declared = self._audit.initial_plan.fingerprint
+            payload["audit"]["inherited"] = [
+                {"group": group, "plan": declared, "message": message}
+                for group, message in self._audit.inherited.items()
+            ]
         if self._audit is not None and self._audit.history:
             payload["audit"]["steps_done"] = self._audit.steps_done
             payload["audit"]["errors"] = [message for step in self._audit.history for message in step.messages]
-        self._plan_json_path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+        write_text_atomically(self._plan_json_path, json.dumps(payload, indent=2) + "\n")
+
+    @staticmethod
+    def _write_layout(path: Path, layout: Layout, topology: Topology) -> None:
+        """Capture ``layout`` (``kvpolicy_layout_out``) as YAML that ``kvpolicy validate`` and
+        ``kvpolicy plan --layout`` read."""
+        schema = schemas_dir() / "layout.schema.json"
+        text = dump_layout(layout, captured_at=topology, schema=str(schema.resolve()) if schema.is_file() else None)
+        try:
+            write_text_atomically(path, text)
+        except OSError as error:
+            reason = error.strerror or str(error)
+            raise OSError(f"kvpolicy: cannot write the layout to {path} ({LAYOUT_OUT_KEY}): {reason}") from error
+        logger.info("kvpolicy layout written to %s", path)
 
     # --- the replication audit -------------------------------------------------------------------
 
@@ -296,6 +396,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         state = self._audit
         assert state is not None
         seconds = time.perf_counter() - started  # digest, collective, verdict and any fallback
+        self._publish_demotions(outcome)
         for message in outcome.messages:
             logger.error(
                 "%s; falling back to factor 1 for this instance (own namespace, plan fingerprint %s -> %s)",
@@ -339,6 +440,20 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             logger.info("kvpolicy plan after the audit:\n%s", format_plan_table(outcome.plan, audit=state.statuses))
         if outcome.plan_changed or outcome.agreed or outcome.unverified:
             self._write_plan_json()
+
+    def _publish_demotions(self, outcome: StepOutcome) -> None:
+        """Tell fresh instances of this instance's initial plan which groups this step demoted, so they
+        start demoted (:meth:`_start_audit`). First among rank 0's side effects: nothing that may fail
+        before it keeps the next instance from the fallback's objects."""
+        state = self._audit
+        if state is None or not outcome.demoted:
+            return
+        try:
+            online_audit.write_demotions(
+                self.store, state.initial_plan, outcome.demotions, pcp_rank=self.pcp_rank, pp_rank=self.pp_rank
+            )
+        except Exception:
+            logger.exception("kvpolicy audit: could not publish the demotion; the next instance audits again")
 
     def _publish_agreements(self, outcome: StepOutcome) -> None:
         """Vouch for the groups this instance verified (so fresh instances may load them), and

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from core_support import HYBRID_AUDIT_LAYOUT as LAYOUT
+from core_support import full, mla
+from core_support import layout as inline_layout
 
 from kvpolicy.audit import (
     REPLICA_TOLERANCE,
@@ -21,6 +23,7 @@ from kvpolicy.audit import (
     ReplicationAuditError,
     Verdict,
     agreement_key,
+    demotion_key,
     digest_blocks,
     distances_to_reference,
     relative_distance,
@@ -43,12 +46,18 @@ def layout(tmp_path: Path):
     return load_layout(path)
 
 
-def state_for(layout, *, mode: AuditMode = AuditMode.WARN, steps: int = 4) -> AuditState:
+def state_for(
+    layout, *, mode: AuditMode = AuditMode.WARN, steps: int = 4, inherited: dict[int, str] | None = None
+) -> AuditState:
     policy = load_policy("default")
     origins = tuple(policy.rule_origin(index) for index in range(len(policy.rules)))
     policy = policy.model_copy(update={"audit": Audit(mode=mode, steps=steps)}).with_origins(origins)
     first = make_plan(policy, layout, Topology(tp_size=TP))
-    return AuditState(first, replan=lambda demoted: make_plan(policy, layout, Topology(tp_size=TP), demoted=demoted))
+    return AuditState(
+        first,
+        replan=lambda demoted: make_plan(policy, layout, Topology(tp_size=TP), demoted=demoted),
+        inherited=inherited,
+    )
 
 
 def reports(*digests: Digest) -> list[dict[int, Digest]]:
@@ -157,6 +166,91 @@ def test_the_plan_json_carries_each_groups_audit_status(layout) -> None:
     state.conclude(reports(SAME, SAME, SAME, SAME))
     payload = json.loads(json.dumps(plan_to_json(state.plan, audit=state.statuses)))
     assert [group["audit"] for group in payload["groups"]] == ["agreed", "-"]
+
+
+# --- published demotions: a fresh instance starts where the last one fell back ------------------
+
+TWO_REPLICATED = inline_layout(mla(), mla(), full(), heads=4)
+"""Groups 0 and 1 replicated over TP (MLA), group 2 sharded."""
+
+
+def test_an_inherited_demotion_starts_the_group_demoted_and_unaudited(layout) -> None:
+    state = state_for(layout, inherited={0: "replication audit: group 0 (mla) ..."})
+    assert state.statuses == {0: AuditStatus.DEMOTED, 1: AuditStatus.NOT_NEEDED}
+    assert state.plan.factors == (1, 1) and state.plan.groups[0].demoted
+    assert state.groups_to_audit() == () and state.untrusted_groups() == () and state.finished
+    assert state.inherited == {0: "replication audit: group 0 (mla) ..."}
+
+
+def test_an_inherited_demotion_leaves_the_other_groups_under_audit() -> None:
+    state = state_for(TWO_REPLICATED, inherited={1: "bytes differ"})
+    assert state.statuses == {0: AuditStatus.PENDING, 1: AuditStatus.DEMOTED, 2: AuditStatus.NOT_NEEDED}
+    assert state.groups_to_audit() == (0,) and state.plan.factors == (4, 1, 1)
+
+
+def test_inheriting_every_demotion_at_once_reaches_the_plan_of_step_by_step_demotions() -> None:
+    # The publishing instance demoted group 0, then group 1, in different steps.
+    previous = state_for(TWO_REPLICATED)
+    previous.conclude([{0: SAME, 1: SAME}, {0: OTHER, 1: SAME}, {0: SAME, 1: SAME}, {0: SAME, 1: SAME}])
+    second = previous.conclude([{1: SAME}, {1: SAME}, {1: OTHER}, {1: SAME}])
+    published = {group: message for step in previous.history for group, message in step.demotions.items()}
+    assert second.demoted == (1,) and set(published) == {0, 1}
+    fresh = state_for(TWO_REPLICATED, inherited=published)
+    assert fresh.plan.fingerprint == previous.plan.fingerprint != fresh.initial_plan.fingerprint
+    assert fresh.plan == previous.plan
+
+
+def test_the_initial_plan_is_the_plan_before_any_demotion(layout) -> None:
+    state = state_for(layout)
+    declared = state.plan
+    state.conclude(reports(SAME, OTHER, SAME, SAME))
+    assert state.initial_plan is declared and state.plan is not declared
+    assert state_for(layout, inherited={0: "x"}).initial_plan.fingerprint == declared.fingerprint
+
+
+def test_enforce_refuses_to_start_on_an_inherited_demotion_naming_its_source(layout) -> None:
+    declared = state_for(layout).plan
+    with pytest.raises(ReplicationAuditError) as stopped:
+        state_for(layout, mode=AuditMode.ENFORCE, inherited={0: "replication audit: group 0 (mla) differs"})
+    assert str(stopped.value) == (
+        f"another instance of plan {declared.fingerprint} found: replication audit: group 0 (mla) differs"
+    )
+
+
+@pytest.mark.parametrize("mode, steps", [(AuditMode.OFF, 4), (AuditMode.WARN, 0)])
+def test_audit_off_ignores_inherited_demotions_and_keeps_trusting_the_rule(layout, mode: AuditMode, steps: int) -> None:
+    state = state_for(layout, mode=mode, steps=steps, inherited={0: "bytes differ"})
+    assert state.plan.factors == (4, 1) and state.statuses[0] is AuditStatus.OFF and state.inherited == {}
+
+
+def test_inherited_demotions_of_groups_that_are_not_audited_are_ignored(layout) -> None:
+    state = state_for(layout, inherited={1: "factor 1 already", 7: "no such group"})
+    assert state.inherited == {} and state.plan.factors == (4, 1) and state.statuses[0] is AuditStatus.PENDING
+
+
+def test_the_demotion_key_is_named_for_the_initial_plan_not_the_fallback(layout) -> None:
+    state = state_for(layout)
+    declared = state.plan
+    state.conclude(reports(SAME, OTHER, SAME, SAME))
+    key = demotion_key(state.initial_plan, 0)
+    assert key == demotion_key(declared, 0) != demotion_key(state.plan, 0)
+    assert key.startswith(declared.key_prefix(0, 0)) and key.endswith(f"@{declared.fingerprint}")
+    assert key != agreement_key(declared, 0)
+
+
+def test_demotion_keys_differ_per_group_pcp_pp_and_fingerprint() -> None:
+    topology = Topology(tp_size=TP, pcp_size=2, pp_size=2)
+    policy = load_policy("default")
+    declared = make_plan(policy, TWO_REPLICATED, topology)
+    other = make_plan(policy, TWO_REPLICATED, topology, demoted=[1])
+    keys = [
+        demotion_key(plan, group, pcp_rank=pcp, pp_rank=pp)
+        for plan in (declared, other)
+        for group in (0, 1)
+        for pcp in (0, 1)
+        for pp in (0, 1)
+    ]
+    assert len(set(keys)) == len(keys) == 16
 
 
 # --- rounding: replicas equal up to the last bits ------------------------------------------------

@@ -11,9 +11,12 @@ corrupt the warm load — proof that the harness can see the difference.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import require
@@ -23,7 +26,15 @@ require("mooncake.store")
 
 import torch  # noqa: E402
 
-from kvpolicy.audit import AuditState, AuditStatus, ReplicationAuditError, agreement_key  # noqa: E402
+from kvpolicy.audit import (  # noqa: E402
+    DEMOTION_MESSAGE_LIMIT,
+    AuditState,
+    AuditStatus,
+    Digest,
+    ReplicationAuditError,
+    agreement_key,
+    demotion_key,
+)
 from kvpolicy.engine import plan as make_plan  # noqa: E402
 from kvpolicy.loader import load_layout, load_policy  # noqa: E402
 from kvpolicy.models import Audit, AuditMode, Policy, Topology  # noqa: E402
@@ -208,6 +219,189 @@ def test_the_gate_stays_open_under_audit_off(clients: ClientPool) -> None:
         assert online_audit.LookupGate().open(AuditState(compat, replan=lambda demoted: compat), client)
     finally:
         clients.release([client])
+
+
+# --- published demotions, on a real store --------------------------------------------------------
+
+
+def test_written_demotions_are_read_back_with_their_messages(kimi_plan, clients: ClientPool) -> None:
+    (client,) = clients.acquire(1)
+    long = "replication audit: group 3 (mla) " + "x" * (2 * DEMOTION_MESSAGE_LIMIT)
+    try:
+        assert online_audit.write_demotions(client, kimi_plan, {1: "group 1 differs", 3: long}, pp_rank=1) == 2
+        found = online_audit.read_demotions(client, kimi_plan, range(4), pp_rank=1)
+        assert found == {1: "group 1 differs", 3: long[:DEMOTION_MESSAGE_LIMIT]}
+        assert online_audit.read_demotions(client, kimi_plan, range(4)) == {}  # another pp rank's namespace
+    finally:
+        for group in (1, 3):
+            client.remove(demotion_key(kimi_plan, group, pp_rank=1), True)
+        clients.release([client])
+
+
+def test_a_demotion_of_one_plan_is_not_read_by_another(kimi_plan, clients: ClientPool) -> None:
+    other = make_plan(load_policy("default"), load_layout("kimi-linear-48b-a3b"), Topology(tp_size=4), demoted=[3])
+    (client,) = clients.acquire(1)
+    try:
+        online_audit.write_demotions(client, kimi_plan, {3: "group 3 differs"})
+        assert online_audit.read_demotions(client, other, [3]) == {}
+        assert online_audit.read_demotions(client, kimi_plan, [3]) == {3: "group 3 differs"}
+    finally:
+        client.remove(demotion_key(kimi_plan, 3), True)
+        clients.release([client])
+
+
+class _BrokenStore:
+    """A store whose every call fails, as a client that lost its master."""
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        def fail(*args: Any) -> Any:
+            raise RuntimeError(f"store {name} failed")
+
+        return fail
+
+
+class _UncertainStore:
+    """A store that cannot tell whether keys exist (Mooncake's negative error codes)."""
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [-1] * len(keys)
+
+
+@pytest.mark.parametrize("store", [_BrokenStore(), _UncertainStore()], ids=["raises", "error-codes"])
+def test_a_failing_store_reads_as_no_demotion(kimi_plan, store: Any) -> None:
+    assert online_audit.read_demotions(store, kimi_plan, [3]) == {}
+
+
+def test_ranks_agree_on_the_union_of_the_demotions_they_read() -> None:
+    by_rank = [{0: "rank 0 saw it"}, {}, {0: "rank 2 saw it", 1: "only rank 2"}, None]
+    agreed = online_audit.agree_on_demotions({}, gather=lambda payload: by_rank)
+    assert agreed == {0: "rank 0 saw it", 1: "only rank 2"}
+
+
+# --- a fresh worker starts with the demotions another instance published --------------------------
+
+
+def _planning_worker(policy: Policy, model: Any, store: Any) -> Any:
+    """TP rank 0's ``KVPolicyStoreWorker`` up to its plan, built without ``__init__`` (which would mount
+    a segment and need torch.distributed), with the attributes planning reads and ``store``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import MooncakeStoreCoordinator
+
+    from kvpolicy.vllm.worker import KVPolicyStoreWorker
+
+    worker = KVPolicyStoreWorker.__new__(KVPolicyStoreWorker)
+    worker._init_policy_state(policy, model=model.name, cache_prefix="")
+    worker._kv_cache_config = model.kv_cache_config
+    worker._kv_cache_groups = MooncakeStoreCoordinator.from_kv_cache_config(
+        model.kv_cache_config, model.vllm_config, model.block_size, model.hash_block_size
+    ).kv_cache_groups
+    worker.num_kv_head = model.total_num_kv_heads
+    worker.tp_rank, worker.tp_size = 0, model.vllm_config.parallel_config.tensor_parallel_size
+    worker.pp_rank, worker.pp_size = 0, 1
+    worker.pcp_rank, worker.pcp_size = 0, 1
+    worker.dcp_rank, worker.dcp_size = 0, 1
+    worker.store = store
+    # As upstream's __init__ calls the override point.
+    worker._group_tp_replication_factors = worker._compute_group_tp_replication_factors()
+    return worker
+
+
+@pytest.fixture
+def wrong_model() -> Iterator[Any]:
+    """Two attention groups with distinct heads at TP 2, in a key space of their own."""
+    yield harness._build_model(
+        "sliding-window-full", 2, model_name=f"kvpolicy-test/inherit-{uuid.uuid4().hex[:12]}", blocks_needed=8
+    )
+
+
+@pytest.fixture
+def store_client(clients: ClientPool, wrong_model: Any) -> Iterator[Any]:
+    (client,) = clients.acquire(1)
+    try:
+        yield client
+    finally:
+        client.remove_by_regex(f".*{wrong_model.name.rsplit('/', 1)[1]}.*", True)
+        clients.release([client])
+
+
+@pytest.fixture
+def one_rank_gather(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Stands in for the TP gather (no torch.distributed here): this rank's payload, then what the
+    test appends as the other ranks'."""
+    others: list[Any] = []
+    monkeypatch.setattr(online_audit, "gather_over_tp", lambda payload: [payload, *others])
+    return others
+
+
+def _demote(worker: Any, group: int) -> None:
+    """One audited step of ``worker`` in which ``group``'s two ranks disagree, and rank 0's publishing."""
+    state = worker.audit
+    outcome = state.conclude([{group: Digest("a", False)}, {group: Digest("b", False)}])
+    assert outcome.demoted == (group,)
+    worker._plan = outcome.plan
+    worker._publish_demotions(outcome)
+
+
+def test_a_fresh_instance_starts_with_every_demotion_the_previous_one_published(
+    wrong_model: Any, store_client: Any, one_rank_gather: list[Any], caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    policy = with_audit(load_policy(WRONG), AuditMode.WARN)
+    previous = _planning_worker(policy, wrong_model, store_client)
+    declared = previous.plan
+    assert declared.factors == (2, 2) and previous.audit.inherited == {}
+    _demote(previous, 0)
+    _demote(previous, 1)  # in a later step, under the plan the first demotion produced
+    assert previous.plan.factors == (1, 1)
+
+    with caplog.at_level(logging.WARNING, logger="vllm.kvpolicy.vllm.worker"):
+        fresh = _planning_worker(policy, wrong_model, store_client)
+    assert fresh.plan.fingerprint == previous.plan.fingerprint != declared.fingerprint
+    assert fresh.audit.initial_plan.fingerprint == declared.fingerprint
+    assert fresh.audit.statuses == {0: AuditStatus.DEMOTED, 1: AuditStatus.DEMOTED}
+    assert fresh.audit.groups_to_audit() == ()
+    assert fresh._group_tp_replication_factors == (1, 1)  # what upstream's __init__ keys the store with
+    messages = previous.audit.history[0].messages + previous.audit.history[1].messages
+    assert fresh.audit.inherited == {0: messages[0], 1: messages[1]}
+    (line,) = [record.getMessage() for record in caplog.records if "inherited" in record.getMessage()]
+    assert "inherited demotion of groups 0,1" in line
+    assert f"{declared.fingerprint} -> {fresh.plan.fingerprint}" in line and messages[1] in line
+
+    fresh._plan_json_path = tmp_path / "plan.json"
+    fresh._write_plan_json()
+    payload = json.loads(fresh._plan_json_path.read_text())
+    assert payload["audit"]["inherited"] == [
+        {"group": 0, "plan": declared.fingerprint, "message": messages[0]},
+        {"group": 1, "plan": declared.fingerprint, "message": messages[1]},
+    ]
+    assert [group["audit"] for group in payload["groups"]] == ["demoted", "demoted"]
+
+
+def test_a_demotion_only_another_rank_read_is_inherited_by_every_rank(
+    wrong_model: Any, store_client: Any, one_rank_gather: list[Any]
+) -> None:
+    one_rank_gather.append({1: "rank 1 read it"})
+    fresh = _planning_worker(with_audit(load_policy(WRONG), AuditMode.WARN), wrong_model, store_client)
+    assert fresh.audit.inherited == {1: "rank 1 read it"} and fresh.plan.factors == (2, 1)
+    assert fresh.audit.groups_to_audit() == (0,)
+
+
+def test_enforce_refuses_to_start_after_another_instance_demoted(
+    wrong_model: Any, store_client: Any, one_rank_gather: list[Any]
+) -> None:
+    previous = _planning_worker(with_audit(load_policy(WRONG), AuditMode.WARN), wrong_model, store_client)
+    _demote(previous, 1)
+    with pytest.raises(ReplicationAuditError) as stopped:
+        _planning_worker(with_audit(load_policy(WRONG), AuditMode.ENFORCE), wrong_model, store_client)
+    assert str(stopped.value).startswith(f"another instance of plan {previous.audit.initial_plan.fingerprint} found:")
+    assert previous.audit.history[0].messages[0] in str(stopped.value)
+
+
+def test_audit_off_neither_reads_markers_nor_gathers(wrong_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_gather(payload: Any) -> list[Any]:
+        raise AssertionError("audit: off must not gather")
+
+    monkeypatch.setattr(online_audit, "gather_over_tp", no_gather)
+    trusting = _planning_worker(load_policy(WRONG), wrong_model, _BrokenStore())  # the file says audit: off
+    assert trusting.plan.factors == (2, 2) and trusting.audit.inherited == {}
 
 
 # --- which blocks, and reading them (real vLLM objects, no store) --------------------------------

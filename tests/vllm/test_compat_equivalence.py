@@ -55,6 +55,7 @@ from kvpolicy.keys import KeyContext, chunk_key
 from kvpolicy.loader import load_policy
 from kvpolicy.models import Policy, Schedule, Topology
 from kvpolicy.plan import Plan
+from kvpolicy.vllm import audit as online_audit
 from kvpolicy.vllm import store
 from kvpolicy.vllm.layout import layout_from_kv_cache_config
 from kvpolicy.vllm.worker import KVPolicyStoreWorker
@@ -281,9 +282,17 @@ def resolved_cache_config() -> CacheConfig:
     return config
 
 
+class _NoPublishedDemotions:
+    """The store as a fresh fleet's: planning finds no demotion another instance published."""
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [0] * len(keys)
+
+
 def set_upstream_state(worker: MooncakeStoreWorker, case: Case, rank: Rank) -> None:
     """The attributes MooncakeStoreWorker.__init__ sets before its override points run."""
     tp_rank, pcp_rank, pp_rank = rank
+    worker.store = _NoPublishedDemotions()
     worker.tp_rank, worker.tp_size = tp_rank, case.tp
     worker.pcp_rank, worker.pcp_size = pcp_rank, case.pcp
     worker.dcp_size = case.dcp
@@ -442,7 +451,10 @@ def test_policy_worker_override_points_answer_like_upstream_under_compat(case: C
         )
 
 
-def test_policy_worker_exposes_the_plan_it_keyed_with() -> None:
+def test_policy_worker_exposes_the_plan_it_keyed_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    # DEFAULT audits the MLA group, so planning reads published demotions (none in the store
+    # set_upstream_state gives) and agrees on them over TP: one rank here.
+    monkeypatch.setattr(online_audit, "gather_over_tp", lambda payload: [payload])
     case = Case((mla(), full(), mamba()), tp=4, heads=2)
     worker = policy_worker(DEFAULT, case, (1, 0, 0))
     assert worker.plan is not None and worker.token_dbs[0].key_for(HASH) == chunk_key(
