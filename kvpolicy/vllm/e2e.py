@@ -269,10 +269,12 @@ def serve_once(
     With *master_metrics_url* the result's ``traffic`` is the master's counters over the engine's
     life (only meaningful while nothing else uses that master). *python_path* entries go first on
     the engine's ``PYTHONPATH``, which its TP workers inherit: the way to hand every process of the
-    engine a vLLM plugin (an entry point in ``vllm.general_plugins``). The engine core
-    runs in the child (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); TP>1 adds the ``mp`` executor's
-    worker processes, one core bound per rank. The child steps the engine until the connector's
-    puts are done before it reports, so a following call can hit on them.
+    engine a vLLM plugin (an entry point in ``vllm.general_plugins``).
+
+    The engine core runs in the child (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); TP>1 adds the ``mp``
+    executor's worker processes, unbound, with ``cores // tp_size`` OpenMP threads each. The child
+    steps the engine until the connector's puts are done before it reports, so a following call
+    can hit on them.
 
     Raises :class:`EngineFailed` (with the child's stdout and stderr, and the tail of stderr in the
     message) when the child fails, and kills its process group when it runs past *timeout* seconds.
@@ -305,8 +307,11 @@ def serve_once(
     # The engine core runs in the child itself (also at TP>1, where the mp executor still forks
     # one worker per rank): one process fewer to start, and the child can drain the connector.
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if tp_size > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(tp_size))
+    # No OpenMP core binding: a bound worker pins every thread it starts afterwards, Mooncake's client
+    # threads included, to its one core, and while that core was busy the client's RPCs to the master
+    # were seen to time out (30 s) on this 2-core machine. Unbound, with one OpenMP thread per core.
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // tp_size))
     env.update(extra_env or {})
 
     with tempfile.TemporaryDirectory(prefix="kvpolicy-e2e-") as scratch:

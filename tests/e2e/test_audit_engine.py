@@ -23,7 +23,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,12 +37,9 @@ require("mooncake.store")
 
 from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
-from kvpolicy.mooncake.testing import small_client_config  # noqa: E402
 from kvpolicy.vllm.e2e import (  # noqa: E402
     DEFAULT_BLOCK_SIZE,
     EngineResult,
-    SegmentHolder,
-    engine_store_config,
     fixed_prompt,
     serve_once,
 )
@@ -63,30 +59,6 @@ SAME_TOLERANCE = 1e-4
 """Two engines computing the same prompt at the same TP. Observed: exactly 0.0."""
 WRONG_MIN_DIFF = 0.05
 """Loading the other rank's head moves some logprob by at least this (observed 0.3 to 1.6)."""
-LEASE_TTL_MS = 120_000
-"""Mooncake's default 10 s object lease has expired under a warm engine's batch get on a loaded
-2-core machine (LEASE_EXPIRED fails the load); see tests/e2e/test_vllm_engine.py."""
-CLIENT_TTL_S = 120
-"""Mooncake drops a client's segment (and every object in it) after 10 s without a heartbeat; the
-segment holder starves that long while two TP engines saturate both cores."""
-
-
-@pytest.fixture(scope="module")
-def long_lease_master() -> Iterator[MooncakeMaster]:
-    """A loopback master for this module whose object lease outlasts a slow warm load."""
-    with MooncakeMaster(object_lease_ms=LEASE_TTL_MS, client_ttl_s=CLIENT_TTL_S) as master:
-        yield master
-
-
-@pytest.fixture(scope="module")
-def store_config(long_lease_master: MooncakeMaster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = engine_store_config(
-        small_client_config(long_lease_master), tmp_path_factory.mktemp("mooncake") / "engine.json"
-    )
-    with SegmentHolder(long_lease_master.rpc_address):
-        yield path
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # The directory's name is part of every key: no other test module's objects can match.
@@ -140,8 +112,8 @@ class Engines:
 
 
 @pytest.fixture(scope="module")
-def engines(long_lease_master: MooncakeMaster, store_config: Path, model: Path, tmp_path_factory) -> Engines:
-    return Engines(long_lease_master, store_config, model, tmp_path_factory.mktemp("plans"))
+def engines(e2e_master: MooncakeMaster, store_config: Path, model: Path, tmp_path_factory) -> Engines:
+    return Engines(e2e_master, store_config, model, tmp_path_factory.mktemp("plans"))
 
 
 @pytest.fixture(scope="module")

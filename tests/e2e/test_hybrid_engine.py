@@ -34,7 +34,6 @@ import io
 import json
 import os
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,12 +49,9 @@ require("mooncake.store")
 from kvpolicy.cli import main as kvpolicy_main  # noqa: E402
 from kvpolicy.loader import check_file  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
-from kvpolicy.mooncake.testing import small_client_config  # noqa: E402
 from kvpolicy.vllm.e2e import (  # noqa: E402
     EngineFailed,
     EngineResult,
-    SegmentHolder,
-    engine_store_config,
     fixed_prompt,
     serve_once,
 )
@@ -79,12 +75,6 @@ LOGPROBS = 20
 WRONG_MIN_DIFF = 0.05
 """The pre-fix rule must move some logprob by at least this much. Observed: 1.3 to 1.9 (the first
 token computed from the loaded state changes); correct policies give exactly 0.0."""
-LEASE_TTL_MS = 120_000
-"""Mooncake's default 10 s object lease can expire under a warm batch get on a loaded 2-core machine."""
-CLIENT_TTL_S = 120
-"""Mooncake drops a client's segment after 10 s without a heartbeat; the holder starves that long."""
-
-
 def prompt_for(arch: str) -> list[int]:
     return fixed_prompt(FULL_BLOCKS[arch] * BLOCK_SIZE[arch] + 1)
 
@@ -123,19 +113,6 @@ class Served:
 class ColdWarm:
     cold: Served
     warm: Served
-
-
-@pytest.fixture(scope="module")
-def master() -> Iterator[MooncakeMaster]:
-    with MooncakeMaster(object_lease_ms=LEASE_TTL_MS, client_ttl_s=CLIENT_TTL_S) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def store_config(master: MooncakeMaster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = engine_store_config(small_client_config(master), tmp_path_factory.mktemp("mooncake") / "engine.json")
-    with SegmentHolder(master.rpc_address, segment_mib=256):
-        yield path
 
 
 class Engines:
@@ -204,8 +181,8 @@ class Engines:
 
 
 @pytest.fixture(scope="module")
-def engines(master: MooncakeMaster, store_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Engines:
-    return Engines(master, store_config, tmp_path_factory.mktemp("hybrid"))
+def engines(e2e_master: MooncakeMaster, store_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Engines:
+    return Engines(e2e_master, store_config, tmp_path_factory.mktemp("hybrid"))
 
 
 @pytest.fixture(scope="module", params=HYBRIDS)

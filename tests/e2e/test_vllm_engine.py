@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,13 +28,10 @@ require("mooncake.store")
 
 from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
-from kvpolicy.mooncake.testing import small_client_config  # noqa: E402
 from kvpolicy.vllm.e2e import (  # noqa: E402
     DEFAULT_BLOCK_SIZE,
     EngineFailed,
     EngineResult,
-    SegmentHolder,
-    engine_store_config,
     fixed_prompt,
     serve_once,
 )
@@ -61,15 +57,6 @@ LOGPROB_TOLERANCE = 1e-4
 WRONG_MIN_DIFF = 0.05
 """The wrong policy must move some logprob by at least this much. Observed: 3.0 on the first step
 (over the top-20 candidates both runs share), and a different token from the first step on."""
-LEASE_TTL_MS = 120_000
-"""Mooncake's default object lease is 10 s. On a loaded 2-core machine a warm engine's batch get
-has been seen to take longer than that (both ranks at once), which fails the load with
-LEASE_EXPIRED; the test master gets a lease that no healthy run comes near."""
-CLIENT_TTL_S = 120
-"""Mooncake drops a client's segment (and every object in it) after 10 s without a heartbeat; the
-segment holder starves that long while two TP engines saturate both cores."""
-
-
 def policy_config(policy: str | os.PathLike[str]) -> dict[str, object]:
     return {
         "kv_connector": "KVPolicyConnector",
@@ -77,21 +64,6 @@ def policy_config(policy: str | os.PathLike[str]) -> dict[str, object]:
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"kvpolicy": os.fspath(policy)},
     }
-
-
-@pytest.fixture(scope="module")
-def e2e_master() -> Iterator[MooncakeMaster]:
-    """A master for this module only, with a long object lease (see :data:`LEASE_TTL_MS`)."""
-    with MooncakeMaster(object_lease_ms=LEASE_TTL_MS, client_ttl_s=CLIENT_TTL_S) as master:
-        yield master
-
-
-@pytest.fixture(scope="module")
-def store_config(e2e_master: MooncakeMaster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The engines' ``MOONCAKE_CONFIG_PATH``, with a segment holder keeping the objects alive."""
-    path = engine_store_config(small_client_config(e2e_master), tmp_path_factory.mktemp("mooncake") / "engine.json")
-    with SegmentHolder(e2e_master.rpc_address):
-        yield path
 
 
 @pytest.fixture(scope="module")
