@@ -112,8 +112,8 @@ class Engines:
 
 
 @pytest.fixture(scope="module")
-def engines(e2e_master: MooncakeMaster, store_config: Path, model: Path, tmp_path_factory) -> Engines:
-    return Engines(e2e_master, store_config, model, tmp_path_factory.mktemp("plans"))
+def engines(e2e_master: MooncakeMaster, e2e_store_config: Path, model: Path, tmp_path_factory) -> Engines:
+    return Engines(e2e_master, e2e_store_config, model, tmp_path_factory.mktemp("plans"))
 
 
 @pytest.fixture(scope="module")

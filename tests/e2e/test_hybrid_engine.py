@@ -181,8 +181,8 @@ class Engines:
 
 
 @pytest.fixture(scope="module")
-def engines(e2e_master: MooncakeMaster, store_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Engines:
-    return Engines(e2e_master, store_config, tmp_path_factory.mktemp("hybrid"))
+def engines(e2e_master: MooncakeMaster, e2e_store_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Engines:
+    return Engines(e2e_master, e2e_store_config, tmp_path_factory.mktemp("hybrid"))
 
 
 @pytest.fixture(scope="module", params=HYBRIDS)

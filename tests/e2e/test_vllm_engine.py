@@ -116,8 +116,8 @@ class Store:
 
 
 @pytest.fixture(scope="module")
-def store(e2e_master: MooncakeMaster, store_config: Path) -> Store:
-    return Store(e2e_master, store_config)
+def store(e2e_master: MooncakeMaster, e2e_store_config: Path) -> Store:
+    return Store(e2e_master, e2e_store_config)
 
 
 def assert_warm_matches_cold(cold: EngineResult, warm: EngineResult) -> None:
