@@ -226,7 +226,8 @@ def _cold_and_warm(serve, model, prompt, store_config, master, *, tp_size, dtype
         _say(
             f"    warm loaded {warm.num_cached_tokens} of {len(prompt)} prompt tokens from Mooncake; cold wrote "
             f"{cold.traffic.objects_written if cold.traffic else '?'} objects; greedy tokens identical: "
-            f"{cold.tokens == warm.tokens}; max |logprob difference| {diff:.3g} ({expectation})"
+            f"{cold.tokens == warm.tokens}; max |logprob difference| "
+            f"{'(top-20 candidates disjoint)' if diff == float('inf') else f'{diff:.3g}'} ({expectation})"
         )
         verdicts.append(hit and (identical if must_match else diff > 0.05))
     return all(verdicts)
