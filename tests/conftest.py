@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
@@ -72,6 +72,44 @@ def mooncake_master() -> Iterator[MooncakeMaster]:
     finally:
         context.__exit__(None, None, None)
 
+
+
+# --- a KVPolicyStoreWorker up to its plan, without vLLM's distributed runtime ----------------------
+
+
+class NoPublishedDemotions:
+    """The store as a fresh fleet's, for workers built without one: planning finds no demotion that
+    another instance published (the only store call planning makes)."""
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [0] * len(keys)
+
+
+def planning_worker(policy: Any, model: Any, store: Any) -> Any:
+    """TP rank 0's ``KVPolicyStoreWorker`` for a harness model (``harness._build_model``), planned as
+    upstream's ``__init__`` plans it, but built without that ``__init__`` (which would mount a
+    Mooncake segment and need torch.distributed): the attributes planning reads, and ``store``.
+    Planning gathers published demotions over TP; a test without torch.distributed stubs
+    ``kvpolicy.vllm.audit.gather_over_tp``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import MooncakeStoreCoordinator
+
+    from kvpolicy.vllm.worker import KVPolicyStoreWorker
+
+    worker = KVPolicyStoreWorker.__new__(KVPolicyStoreWorker)
+    worker._init_policy_state(policy, model=model.name, cache_prefix="")
+    worker._kv_cache_config = model.kv_cache_config
+    worker._kv_cache_groups = MooncakeStoreCoordinator.from_kv_cache_config(
+        model.kv_cache_config, model.vllm_config, model.block_size, model.hash_block_size
+    ).kv_cache_groups
+    worker.num_kv_head = model.total_num_kv_heads
+    worker.tp_rank, worker.tp_size = 0, model.vllm_config.parallel_config.tensor_parallel_size
+    worker.pp_rank, worker.pp_size = 0, 1
+    worker.pcp_rank, worker.pcp_size = 0, 1
+    worker.dcp_rank, worker.dcp_size = 0, 1
+    worker.store = store
+    # As upstream's __init__ calls the override point.
+    worker._group_tp_replication_factors = worker._compute_group_tp_replication_factors()
+    return worker
 
 # --- end to end: one master per module, and the engines' store ---------------------------------
 

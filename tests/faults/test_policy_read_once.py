@@ -14,14 +14,11 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from conftest import require
+from conftest import NoPublishedDemotions, planning_worker, require
 
 require("vllm")
 
 from pydantic import ValidationError  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import (  # noqa: E402
-    MooncakeStoreCoordinator,
-)
 
 from kvpolicy.engine import plan as make_plan  # noqa: E402
 from kvpolicy.loader import load_layout, policies_dir  # noqa: E402
@@ -30,7 +27,6 @@ from kvpolicy.plan import Plan  # noqa: E402
 from kvpolicy.vllm import audit as online_audit  # noqa: E402
 from kvpolicy.vllm import harness  # noqa: E402
 from kvpolicy.vllm.connector import POLICY_KEY, resolve_policy  # noqa: E402
-from kvpolicy.vllm.worker import KVPolicyStoreWorker  # noqa: E402
 
 LAYOUT = "kimi-linear-48b-a3b"
 TOPOLOGY = Topology(tp_size=4)
@@ -82,37 +78,17 @@ def test_plans_and_policies_cannot_be_changed_in_place(policy_file: Path) -> Non
     assert isinstance(built.groups, tuple) and isinstance(policy.rules, tuple)
 
 
-class _NoPublishedDemotions:
-    """The store as a fresh fleet's: planning finds no demotion another instance published."""
-
-    def batch_is_exist(self, keys: list[str]) -> list[int]:
-        return [0] * len(keys)
-
-
 def test_the_store_worker_plans_from_the_policy_it_was_given_after_the_file_is_gone(
     policy_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The connector resolves the policy once and passes the object to KVPolicyStoreWorker. The
-    # worker is built without __init__ (which would mount a Mooncake segment and need
-    # torch.distributed), with the attributes its planning reads, on a real KVCacheConfig.
-    # Planning reads published demotions from the store and agrees on them over TP: one rank here.
+    # The connector resolves the policy once and passes the object to KVPolicyStoreWorker, which
+    # plans from it on a real KVCacheConfig. Planning reads published demotions from the store and
+    # agrees on them over TP: one rank here.
     monkeypatch.setattr(online_audit, "gather_over_tp", lambda payload: [payload])
     policy = resolve_policy({POLICY_KEY: str(policy_file)})
     model = harness._build_model("kimi-linear", 4, model_name="moonshotai/Kimi-Linear-48B-A3B", blocks_needed=8)
-    worker = KVPolicyStoreWorker.__new__(KVPolicyStoreWorker)
-    worker._init_policy_state(policy, model=model.name, cache_prefix="")
-    worker._kv_cache_config = model.kv_cache_config
-    worker._kv_cache_groups = MooncakeStoreCoordinator.from_kv_cache_config(
-        model.kv_cache_config, model.vllm_config, model.block_size, model.hash_block_size
-    ).kv_cache_groups
-    worker.num_kv_head = model.total_num_kv_heads
-    # The parallel attributes upstream's __init__ reads off the distributed groups (rank 0 of TP 4).
-    worker.tp_rank, worker.tp_size = 0, 4
-    worker.pp_rank, worker.pp_size = 0, 1
-    worker.pcp_rank, worker.pcp_size = 0, 1
-    worker.dcp_rank, worker.dcp_size = 0, 1
-    worker.store = _NoPublishedDemotions()
-    first = worker._compute_group_tp_replication_factors()
+    worker = planning_worker(policy, model, NoPublishedDemotions())  # rank 0 of TP 4
+    first = worker._group_tp_replication_factors
     planned = worker.plan
     policy_file.unlink()
     assert worker._compute_group_tp_replication_factors() == first == (1, 4)  # KDA state, MLA

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import require
+from conftest import planning_worker, require
 
 require("vllm")
 require("mooncake.store")
@@ -281,30 +281,6 @@ def test_ranks_agree_on_the_union_of_the_demotions_they_read() -> None:
 # --- a fresh worker starts with the demotions another instance published --------------------------
 
 
-def _planning_worker(policy: Policy, model: Any, store: Any) -> Any:
-    """TP rank 0's ``KVPolicyStoreWorker`` up to its plan, built without ``__init__`` (which would mount
-    a segment and need torch.distributed), with the attributes planning reads and ``store``."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import MooncakeStoreCoordinator
-
-    from kvpolicy.vllm.worker import KVPolicyStoreWorker
-
-    worker = KVPolicyStoreWorker.__new__(KVPolicyStoreWorker)
-    worker._init_policy_state(policy, model=model.name, cache_prefix="")
-    worker._kv_cache_config = model.kv_cache_config
-    worker._kv_cache_groups = MooncakeStoreCoordinator.from_kv_cache_config(
-        model.kv_cache_config, model.vllm_config, model.block_size, model.hash_block_size
-    ).kv_cache_groups
-    worker.num_kv_head = model.total_num_kv_heads
-    worker.tp_rank, worker.tp_size = 0, model.vllm_config.parallel_config.tensor_parallel_size
-    worker.pp_rank, worker.pp_size = 0, 1
-    worker.pcp_rank, worker.pcp_size = 0, 1
-    worker.dcp_rank, worker.dcp_size = 0, 1
-    worker.store = store
-    # As upstream's __init__ calls the override point.
-    worker._group_tp_replication_factors = worker._compute_group_tp_replication_factors()
-    return worker
-
-
 @pytest.fixture
 def wrong_model() -> Iterator[Any]:
     """Two attention groups with distinct heads at TP 2, in a key space of their own."""
@@ -345,7 +321,7 @@ def test_a_fresh_instance_starts_with_every_demotion_the_previous_one_published(
     wrong_model: Any, store_client: Any, one_rank_gather: list[Any], caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     policy = with_audit(load_policy(WRONG), AuditMode.WARN)
-    previous = _planning_worker(policy, wrong_model, store_client)
+    previous = planning_worker(policy, wrong_model, store_client)
     declared = previous.plan
     assert declared.factors == (2, 2) and previous.audit.inherited == {}
     _demote(previous, 0)
@@ -353,7 +329,7 @@ def test_a_fresh_instance_starts_with_every_demotion_the_previous_one_published(
     assert previous.plan.factors == (1, 1)
 
     with caplog.at_level(logging.WARNING, logger="vllm.kvpolicy.vllm.worker"):
-        fresh = _planning_worker(policy, wrong_model, store_client)
+        fresh = planning_worker(policy, wrong_model, store_client)
     assert fresh.plan.fingerprint == previous.plan.fingerprint != declared.fingerprint
     assert fresh.audit.initial_plan.fingerprint == declared.fingerprint
     assert fresh.audit.statuses == {0: AuditStatus.DEMOTED, 1: AuditStatus.DEMOTED}
@@ -379,7 +355,7 @@ def test_a_demotion_only_another_rank_read_is_inherited_by_every_rank(
     wrong_model: Any, store_client: Any, one_rank_gather: list[Any]
 ) -> None:
     one_rank_gather.append({1: "rank 1 read it"})
-    fresh = _planning_worker(with_audit(load_policy(WRONG), AuditMode.WARN), wrong_model, store_client)
+    fresh = planning_worker(with_audit(load_policy(WRONG), AuditMode.WARN), wrong_model, store_client)
     assert fresh.audit.inherited == {1: "rank 1 read it"} and fresh.plan.factors == (2, 1)
     assert fresh.audit.groups_to_audit() == (0,)
 
@@ -387,10 +363,10 @@ def test_a_demotion_only_another_rank_read_is_inherited_by_every_rank(
 def test_enforce_refuses_to_start_after_another_instance_demoted(
     wrong_model: Any, store_client: Any, one_rank_gather: list[Any]
 ) -> None:
-    previous = _planning_worker(with_audit(load_policy(WRONG), AuditMode.WARN), wrong_model, store_client)
+    previous = planning_worker(with_audit(load_policy(WRONG), AuditMode.WARN), wrong_model, store_client)
     _demote(previous, 1)
     with pytest.raises(ReplicationAuditError) as stopped:
-        _planning_worker(with_audit(load_policy(WRONG), AuditMode.ENFORCE), wrong_model, store_client)
+        planning_worker(with_audit(load_policy(WRONG), AuditMode.ENFORCE), wrong_model, store_client)
     assert str(stopped.value).startswith(f"another instance of plan {previous.audit.initial_plan.fingerprint} found:")
     assert previous.audit.history[0].messages[0] in str(stopped.value)
 
@@ -400,7 +376,7 @@ def test_audit_off_neither_reads_markers_nor_gathers(wrong_model: Any, monkeypat
         raise AssertionError("audit: off must not gather")
 
     monkeypatch.setattr(online_audit, "gather_over_tp", no_gather)
-    trusting = _planning_worker(load_policy(WRONG), wrong_model, _BrokenStore())  # the file says audit: off
+    trusting = planning_worker(load_policy(WRONG), wrong_model, _BrokenStore())  # the file says audit: off
     assert trusting.plan.factors == (2, 2) and trusting.audit.inherited == {}
 
 

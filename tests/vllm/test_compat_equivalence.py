@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from conftest import NoPublishedDemotions
 
 try:
     import vllm  # noqa: F401
@@ -282,17 +283,10 @@ def resolved_cache_config() -> CacheConfig:
     return config
 
 
-class _NoPublishedDemotions:
-    """The store as a fresh fleet's: planning finds no demotion another instance published."""
-
-    def batch_is_exist(self, keys: list[str]) -> list[int]:
-        return [0] * len(keys)
-
-
 def set_upstream_state(worker: MooncakeStoreWorker, case: Case, rank: Rank) -> None:
     """The attributes MooncakeStoreWorker.__init__ sets before its override points run."""
     tp_rank, pcp_rank, pp_rank = rank
-    worker.store = _NoPublishedDemotions()
+    worker.store = NoPublishedDemotions()
     worker.tp_rank, worker.tp_size = tp_rank, case.tp
     worker.pcp_rank, worker.pcp_size = pcp_rank, case.pcp
     worker.dcp_size = case.dcp
