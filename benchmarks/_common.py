@@ -243,7 +243,7 @@ class Instance:
         ranks: Sequence[int] | None = None,
         stock: bool = False,
     ) -> None:
-        from kvpolicy.engine import plan as make_plan
+        from kvpolicy.engine import make_plan
         from kvpolicy.keys import KeyContext
         from kvpolicy.models import Topology
         from kvpolicy.vllm import harness

@@ -157,7 +157,7 @@ def digest_part(args: argparse.Namespace) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import ChunkedTokenDatabase, KeyMetadata
 
     from kvpolicy.audit import audited_groups
-    from kvpolicy.engine import plan
+    from kvpolicy.engine import make_plan
     from kvpolicy.loader import layouts_dir, load_layout, load_policy
     from kvpolicy.models import Topology
     from kvpolicy.vllm.audit import AUDIT_BLOCKS_PER_REQUEST, AUDIT_REQUESTS_PER_STEP, BlockReader, local_digests
@@ -166,7 +166,7 @@ def digest_part(args: argparse.Namespace) -> None:
     body = []
     for path in sorted(layouts_dir().glob("*.yaml")):
         layout = load_layout(path)
-        the_plan = plan(load_policy("default"), layout, Topology(tp_size=args.digest_tp))
+        the_plan = make_plan(load_policy("default"), layout, Topology(tp_size=args.digest_tp))
         for index in audited_groups(the_plan):
             group, spec_group = the_plan.groups[index], layout.groups[index]
             layers = len(group.decisions)

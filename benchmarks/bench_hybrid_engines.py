@@ -26,7 +26,7 @@ from pathlib import Path
 
 from _common import table
 
-from kvpolicy.engine import plan as make_plan
+from kvpolicy.engine import make_plan
 from kvpolicy.loader import load_layout, load_policy
 from kvpolicy.mooncake.master import MooncakeMaster
 from kvpolicy.mooncake.testing import small_client_config

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from kvpolicy.engine import plan
+from kvpolicy.engine import make_plan
 from kvpolicy.loader import load_layout, load_policy, resolve_policy_path
 from kvpolicy.models import Topology
 
@@ -84,12 +84,12 @@ def main() -> None:
                 yaml.load(layout_path.read_text(), Loader=LOADER)
 
             def full() -> None:
-                plan(load_policy(policy_path), load_layout(layout_path), topology)
+                make_plan(load_policy(policy_path), load_layout(layout_path), topology)
 
             policy, layout = load_policy(policy_path), load_layout(layout_path)
             baseline = median_ms(yaml_only, args.repeat)
             total = median_ms(full, args.repeat)
-            plan_only = median_ms(lambda: plan(policy, layout, topology), args.repeat)
+            plan_only = median_ms(lambda: make_plan(policy, layout, topology), args.repeat)
             rows.append((policy_name, total, plan_only, baseline))
     print(f"load + validate + plan, {args.groups} groups, tp={args.tp}, median of {args.repeat}")
     print(f"{'policy':12} {'total ms':>9} {'plan ms':>8} {'yaml C load ms':>15} {'total/yaml':>11}")

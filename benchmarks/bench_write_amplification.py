@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from kvpolicy.engine import plan
+    from kvpolicy.engine import make_plan
     from kvpolicy.loader import load_policy
     from kvpolicy.models import Topology
     from kvpolicy.mooncake import MooncakeMaster
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                     report = run_consistency(
                         policy, archetype, tp_size, master=master, clients=pool, num_tokens=args.tokens
                     )
-                    reference = plan(policy, layout, Topology(tp_size=tp_size)).factors
+                    reference = make_plan(policy, layout, Topology(tp_size=tp_size)).factors
                     if tuple(group.factor for group in report.groups) != reference:
                         mismatched_plans.append(
                             f"{stem} tp={tp_size} {policy.name}: harness {[group.factor for group in report.groups]}"

@@ -333,7 +333,7 @@ class AuditState:
     """One instance's audit: which groups to check, for how many steps, and what was found.
 
     ``plan`` is the instance's initial plan. ``replan(demoted)`` returns the plan with the given
-    groups forced to factor 1 (the engine's ``plan(..., demoted=...)``). ``mode``/``steps`` override
+    groups forced to factor 1 (the engine's ``make_plan(..., demoted=...)``). ``mode``/``steps`` override
     the plan's (the offline audit checks a policy whose audit is off). ``steps`` counts audited
     steps: steps that saved something for a group still under audit, whatever the verdict;
     ``steps: 0`` means no audit, like ``off``.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvpolicy import schema
 from kvpolicy.diagnostics import Diagnostic, DocumentError, PlanError
-from kvpolicy.engine import plan as make_plan
+from kvpolicy.engine import make_plan
 from kvpolicy.loader import _bundled_dir, check_file, load_layout, load_policy, shipped_policy_names
 from kvpolicy.models import Policy, Topology
 from kvpolicy.report import format_explanation, format_plan_table, format_traffic, plan_to_json, traffic_to_json

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvpolicy.engine import plan
+from kvpolicy.engine import make_plan
 from kvpolicy.loader import check_file, layouts_dir, load_layout, load_policy, policies_dir
 from kvpolicy.models import Policy, Topology
 from kvpolicy.mooncake import MooncakeMaster
@@ -86,7 +86,7 @@ def run_demo(*, tp_size: int = 4, with_engine: bool = True) -> int:
         verdicts.append(invalid == 0)
 
         _step(3, f"plan of {HYBRID_LAYOUT} at tp={tp_size} under 'default'")
-        hybrid = plan(load_policy("default"), load_layout(HYBRID_LAYOUT), Topology(tp_size=tp_size))
+        hybrid = make_plan(load_policy("default"), load_layout(HYBRID_LAYOUT), Topology(tp_size=tp_size))
         _say("  " + format_plan_table(hybrid).replace("\n", "\n  "))
 
         _step(4, f"multi-rank harness: hybrid MLA + KDA instance, tp={tp_size}, through real Mooncake")

@@ -21,7 +21,7 @@ from kvpolicy.models import Group, LayerSpecs, Layout, Policy, Replication, Rule
 from kvpolicy.plan import GroupPlan, LayerDecision, Plan, RankAssignment, WriteSchedule
 
 
-def plan(
+def make_plan(
     policy: Policy,
     layout: Layout,
     topology: Topology,

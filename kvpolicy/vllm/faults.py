@@ -56,7 +56,7 @@ from unittest import mock
 import torch
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
-from kvpolicy.engine import plan as make_plan
+from kvpolicy.engine import make_plan
 from kvpolicy.keys import KeyContext, chunk_key
 from kvpolicy.models import Policy, Topology
 from kvpolicy.mooncake import master as master_module

@@ -94,7 +94,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvpolicy.audit import AuditState, AuditStatus, initial_statuses
-from kvpolicy.engine import plan as make_plan
+from kvpolicy.engine import make_plan
 from kvpolicy.keys import KeyContext
 from kvpolicy.models import AuditMode, Layout, Policy, Topology
 from kvpolicy.mooncake.client import MiB, ClientConfig, connect_store

@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvpolicy.audit import AuditState, AuditStatus, ReplicationAuditError, StepOutcome
 from kvpolicy.dumper import dump_layout
-from kvpolicy.engine import plan as make_plan
+from kvpolicy.engine import make_plan
 from kvpolicy.keys import KeyContext, model_basename
 from kvpolicy.loader import schemas_dir
 from kvpolicy.models import Layout, Policy, Topology

@@ -8,7 +8,7 @@ import pytest
 from core_support import HYBRID_AUDIT_LAYOUT as LAYOUT
 
 from kvpolicy.audit import Digest, Verdict, audited_groups, describe, digest_blocks, judge
-from kvpolicy.engine import plan
+from kvpolicy.engine import make_plan
 from kvpolicy.loader import load_layout, load_policy
 from kvpolicy.models import Topology
 
@@ -17,7 +17,7 @@ from kvpolicy.models import Topology
 def hybrid_plan(tmp_path: Path):
     layout = tmp_path / "layout.yaml"
     layout.write_text(LAYOUT)
-    return plan(load_policy("default"), load_layout(layout), Topology(tp_size=4))
+    return make_plan(load_policy("default"), load_layout(layout), Topology(tp_size=4))
 
 
 def test_digest_of_zero_blocks_is_flagged_as_no_evidence() -> None:
@@ -39,7 +39,7 @@ def test_only_groups_with_factor_above_one_are_audited(hybrid_plan) -> None:
 def test_audit_off_audits_nothing(tmp_path: Path) -> None:
     layout = tmp_path / "layout.yaml"
     layout.write_text(LAYOUT)
-    compat = plan(load_policy("vllm-compat"), load_layout(layout), Topology(tp_size=4))
+    compat = make_plan(load_policy("vllm-compat"), load_layout(layout), Topology(tp_size=4))
     assert compat.factors[0] == 4 and audited_groups(compat) == ()
 
 
@@ -80,7 +80,7 @@ def test_the_error_names_group_rule_location_and_ranks(hybrid_plan) -> None:
 def test_demoting_a_group_gives_it_factor_one_and_a_new_fingerprint(tmp_path: Path, hybrid_plan) -> None:
     layout = tmp_path / "layout.yaml"
     layout.write_text(LAYOUT)
-    demoted = plan(load_policy("default"), load_layout(layout), Topology(tp_size=4), demoted=[0])
+    demoted = make_plan(load_policy("default"), load_layout(layout), Topology(tp_size=4), demoted=[0])
     assert demoted.factors == (1, 1) and demoted.groups[0].demoted
     assert demoted.fingerprint != hybrid_plan.fingerprint
     assert audited_groups(demoted) == ()
@@ -90,7 +90,7 @@ def test_demoting_a_group_gives_it_factor_one_and_a_new_fingerprint(tmp_path: Pa
 def test_a_demoted_group_gets_its_own_namespace_even_without_a_fingerprint_in_the_template(tmp_path: Path) -> None:
     layout = tmp_path / "layout.yaml"
     layout.write_text(LAYOUT)
-    trusted = plan(load_policy("vllm-compat"), load_layout(layout), Topology(tp_size=4))
-    demoted = plan(load_policy("vllm-compat"), load_layout(layout), Topology(tp_size=4), demoted=[0])
+    trusted = make_plan(load_policy("vllm-compat"), load_layout(layout), Topology(tp_size=4))
+    demoted = make_plan(load_policy("vllm-compat"), load_layout(layout), Topology(tp_size=4), demoted=[0])
     trusting_keys = {trusted.key_prefix(0, rank) for rank in range(4)}
     assert not {demoted.key_prefix(0, rank) for rank in range(4)} & trusting_keys

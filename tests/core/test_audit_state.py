@@ -28,7 +28,7 @@ from kvpolicy.audit import (
     distances_to_reference,
     relative_distance,
 )
-from kvpolicy.engine import plan as make_plan
+from kvpolicy.engine import make_plan
 from kvpolicy.loader import load_layout, load_policy
 from kvpolicy.models import Audit, AuditMode, Topology
 from kvpolicy.report import format_plan_table, plan_to_json

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpolicy.catalog import SPEC_CLASSES
-from kvpolicy.engine import plan
+from kvpolicy.engine import make_plan
 from kvpolicy.loader import load_policy
 from kvpolicy.models import Schedule, Topology
 
@@ -64,7 +64,7 @@ def chunks(factor: int) -> range:
 @SETTINGS
 @given(layouts, topologies(), policies, st.sets(st.integers(0, 5), max_size=2))
 def test_replica_sets_are_consecutive_ranks_that_tile_tp_and_share_one_shard(the_layout, topology, policy, demoted):
-    the_plan = plan(policy, the_layout, topology, demoted=demoted)
+    the_plan = make_plan(policy, the_layout, topology, demoted=demoted)
     tp = topology.tp_size
     for group in the_plan.groups:
         f = group.factor
@@ -86,7 +86,7 @@ def test_replica_sets_are_consecutive_ranks_that_tile_tp_and_share_one_shard(the
 @SETTINGS
 @given(layouts, topologies(), policies)
 def test_schedule_decides_who_writes_each_chunk(the_layout, topology, policy):
-    the_plan = plan(policy, the_layout, topology)
+    the_plan = make_plan(policy, the_layout, topology)
     tp = topology.tp_size
     for group in the_plan.groups:
         f = group.factor
@@ -109,7 +109,7 @@ def test_schedule_decides_who_writes_each_chunk(the_layout, topology, policy):
 @SETTINGS
 @given(layouts, topologies(), policies, st.sets(st.integers(0, 5), max_size=2))
 def test_lookup_set_is_exactly_the_namespaces_writers_use(the_layout, topology, policy, demoted):
-    the_plan = plan(policy, the_layout, topology, demoted=demoted)
+    the_plan = make_plan(policy, the_layout, topology, demoted=demoted)
     for group in the_plan.groups:
         written = {
             the_plan.key_prefix(group.index, rank, pcp_rank, pp_rank)
@@ -133,12 +133,12 @@ def test_vllm_compat_reproduces_upstream_factors(the_layout, topology):
                         total_num_kv_heads=the_layout.total_num_kv_heads)
         for group in the_layout.groups
     )
-    assert plan(POLICIES["vllm-compat"], the_layout, topology).factors == expected
+    assert make_plan(POLICIES["vllm-compat"], the_layout, topology).factors == expected
 
 
 @settings(max_examples=100, deadline=None)
 @given(layouts, topologies(), policies)
 def test_decode_context_parallelism_and_no_dedup_always_give_factor_one(the_layout, topology, policy):
-    factors = set(plan(policy, the_layout, topology).factors)
+    factors = set(make_plan(policy, the_layout, topology).factors)
     if topology.dcp_size > 1 or policy.name == "no-dedup":
         assert factors == {1}

@@ -6,7 +6,7 @@ import pytest
 from core_support import MODEL, full, layout, mamba, mla, policy, spec
 
 from kvpolicy.diagnostics import PlanError
-from kvpolicy.engine import plan
+from kvpolicy.engine import make_plan
 from kvpolicy.keys import KeyContext
 from kvpolicy.loader import load_policy, policies_dir
 from kvpolicy.models import Schedule, Topology
@@ -17,7 +17,7 @@ NO_DEDUP = load_policy("no-dedup")
 
 
 def factors(policy, the_layout, **topology):
-    return plan(policy, the_layout, Topology(**topology)).factors
+    return make_plan(policy, the_layout, Topology(**topology)).factors
 
 
 # --- the brief's reference values (pcp = pp = 1) -----------------------------------------------
@@ -114,7 +114,7 @@ def test_specs_no_rule_matches_are_sharded_under_default():
 
 
 def compat_plan(**topology):
-    return plan(VLLM_COMPAT, layout(mla(), full(), mamba(), heads=2), Topology(**{"tp_size": 4, **topology}))
+    return make_plan(VLLM_COMPAT, layout(mla(), full(), mamba(), heads=2), Topology(**{"tp_size": 4, **topology}))
 
 
 def test_key_prefix_without_cache_prefix_or_namespace():
@@ -139,7 +139,7 @@ def test_key_prefix_with_cache_prefix_and_store_namespace():
     context = KeyContext.for_model(
         "/models/deepseek-ai/DeepSeek-V2-Lite/", cache_prefix="tenant-a", store_namespace="@store_pp:1@store_format:x"
     )
-    the_plan = plan(VLLM_COMPAT, layout(mla(), full(), mamba(), heads=2), Topology(tp_size=4), key_context=context)
+    the_plan = make_plan(VLLM_COMPAT, layout(mla(), full(), mamba(), heads=2), Topology(tp_size=4), key_context=context)
     assert the_plan.key_prefix(1, 3) == (
         "tenant-a@DeepSeek-V2-Lite@store_pp:1@store_format:x@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1"
     )
@@ -189,7 +189,7 @@ def test_upstream_striped_schedule():
 
 
 def test_default_keys_carry_the_plan_fingerprint():
-    the_plan = plan(DEFAULT, layout(mla(), heads=1), Topology(tp_size=2))
+    the_plan = make_plan(DEFAULT, layout(mla(), heads=1), Topology(tp_size=2))
     assert the_plan.key_prefix(0, 1) == (
         f"DeepSeek-V2-Lite@plan:{the_plan.fingerprint}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0"
     )
@@ -215,7 +215,7 @@ BASE_POLICY = """\
 
 def fingerprint_of(text=BASE_POLICY, the_layout=None, **topology):
     the_layout = the_layout or layout(mla(), full(), heads=4)
-    return plan(policy(text), the_layout, Topology(**{"tp_size": 4, **topology})).fingerprint
+    return make_plan(policy(text), the_layout, Topology(**{"tp_size": 4, **topology})).fingerprint
 
 
 def test_fingerprint_is_deterministic():
@@ -274,7 +274,7 @@ def test_fingerprint_ignores_how_the_same_factor_is_spelled():
 
 def refusal(text, the_layout, **topology) -> str:
     with pytest.raises(PlanError) as caught:
-        plan(policy(text), the_layout, Topology(**{"tp_size": 4, **topology}))
+        make_plan(policy(text), the_layout, Topology(**{"tp_size": 4, **topology}))
     return str(caught.value)
 
 
@@ -345,12 +345,12 @@ def test_strict_policy_refuses_an_unmatched_spec():
 
 
 def test_strict_policy_plans_a_layout_it_covers():
-    assert plan(policy(STRICT), layout(mamba(), heads=1), Topology(tp_size=4)).factors == (1,)
+    assert make_plan(policy(STRICT), layout(mamba(), heads=1), Topology(tp_size=4)).factors == (1,)
 
 
 def test_non_strict_policy_applies_unmatched():
     replicated = STRICT.replace("strict: true", "unmatched: replicated")
-    assert plan(policy(replicated), layout(mamba(), full(), heads=1), Topology(tp_size=4)).factors == (1, 4)
+    assert make_plan(policy(replicated), layout(mamba(), full(), heads=1), Topology(tp_size=4)).factors == (1, 4)
 
 
 def test_factor_above_one_under_dcp_is_refused():
@@ -364,7 +364,7 @@ def test_factor_above_one_under_dcp_is_refused():
 
 def test_demoted_group_gets_factor_one_and_the_others_keep_theirs():
     the_layout = layout(mla(), full(), mamba(), heads=2)
-    demoted = plan(VLLM_COMPAT, the_layout, Topology(tp_size=4), demoted=[0])
+    demoted = make_plan(VLLM_COMPAT, the_layout, Topology(tp_size=4), demoted=[0])
     assert demoted.factors == (1, 2, 1)
     assert demoted.groups[0].demoted and not demoted.groups[1].demoted
     # every rank its own shard; with no {fingerprint} in the template the namespace is marked as demoted,
@@ -376,7 +376,7 @@ def test_demoted_group_gets_factor_one_and_the_others_keep_theirs():
 
 
 def test_demoted_group_under_a_fingerprinted_template_needs_no_marker():
-    demoted = plan(DEFAULT, layout(mla(), heads=1), Topology(tp_size=2), demoted=[0])
+    demoted = make_plan(DEFAULT, layout(mla(), heads=1), Topology(tp_size=2), demoted=[0])
     assert demoted.key_prefix(0, 1) == (
         f"DeepSeek-V2-Lite@plan:{demoted.fingerprint}@tp_rank:1@pcp0@dcp0@pp_rank:0@group:0"
     )
@@ -385,14 +385,14 @@ def test_demoted_group_under_a_fingerprinted_template_needs_no_marker():
 def test_demotion_changes_the_fingerprint():
     the_layout = layout(mla(), full(), mamba(), heads=2)
     assert (
-        plan(DEFAULT, the_layout, Topology(tp_size=4), demoted=[0]).fingerprint
-        != plan(DEFAULT, the_layout, Topology(tp_size=4)).fingerprint
+        make_plan(DEFAULT, the_layout, Topology(tp_size=4), demoted=[0]).fingerprint
+        != make_plan(DEFAULT, the_layout, Topology(tp_size=4)).fingerprint
     )
 
 
 def test_demotion_lifts_the_dcp_refusal():
     text = ONE_RULE.format(outcome="replication: replicated")
-    the_plan = plan(policy(text), layout(mla(), heads=1), Topology(tp_size=4, dcp_size=2), demoted=[0])
+    the_plan = make_plan(policy(text), layout(mla(), heads=1), Topology(tp_size=4, dcp_size=2), demoted=[0])
     assert the_plan.factors == (1,)
 
 
@@ -400,7 +400,7 @@ def test_demotion_lifts_the_dcp_refusal():
 
 
 def test_plan_reports_the_rule_and_its_origin_for_each_layer():
-    the_plan = plan(VLLM_COMPAT, layout(mla(), full(), mamba(), heads=2), Topology(tp_size=4))
+    the_plan = make_plan(VLLM_COMPAT, layout(mla(), full(), mamba(), heads=2), Topology(tp_size=4))
     assert [group.rules for group in the_plan.groups] == [("mla-latent",), ("kv-heads",), ("mamba-state",)]
     lines = (policies_dir() / "vllm-compat.yaml").read_text().splitlines()
     line = next(number for number, text in enumerate(lines, 1) if text.strip() == "- name: mla-latent")
@@ -408,14 +408,14 @@ def test_plan_reports_the_rule_and_its_origin_for_each_layer():
 
 
 def test_plan_reports_the_rules_passed_over():
-    the_plan = plan(VLLM_COMPAT, layout(full(), heads=2), Topology(tp_size=4))
+    the_plan = make_plan(VLLM_COMPAT, layout(full(), heads=2), Topology(tp_size=4))
     passed = [name for name, _ in the_plan.groups[0].decisions[0].passed_over]
     assert passed == ["dcp-token-shards", "mamba-state", "mla-latent"]
 
 
 def test_bytes_written_shrink_by_the_factor():
     the_layout = layout(mla(page_size_bytes=1000, block_size=10), heads=1)
-    group = plan(VLLM_COMPAT, the_layout, Topology(tp_size=4)).groups[0]
+    group = make_plan(VLLM_COMPAT, the_layout, Topology(tp_size=4)).groups[0]
     per_rank = 2 * 1000 / 10  # two layers, 100 bytes per token each
     assert group.bytes_per_token_per_rank == per_rank
     assert group.written_bytes_per_token == per_rank  # one shard, written once
@@ -424,10 +424,10 @@ def test_bytes_written_shrink_by_the_factor():
 
 def test_all_schedule_writes_every_copy():
     every = VLLM_COMPAT.model_copy(update={"schedule": Schedule.ALL})
-    group = plan(every, layout(mla(page_size_bytes=1000, block_size=10), heads=1), Topology(tp_size=4)).groups[0]
+    group = make_plan(every, layout(mla(page_size_bytes=1000, block_size=10), heads=1), Topology(tp_size=4)).groups[0]
     assert group.written_bytes_per_token == group.undeduplicated_bytes_per_token
 
 
 def test_model_basename_is_the_last_path_component():
-    the_plan = plan(VLLM_COMPAT, layout(mamba(), heads=1, model="/srv/models/" + MODEL + "/"), Topology())
+    the_plan = make_plan(VLLM_COMPAT, layout(mamba(), heads=1, model="/srv/models/" + MODEL + "/"), Topology())
     assert the_plan.key_prefix(0, 0).startswith("DeepSeek-V2-Lite@tp_rank:0")

@@ -9,7 +9,7 @@ import pytest
 from core_support import upstream_factor
 
 from kvpolicy.diagnostics import PlanError
-from kvpolicy.engine import plan
+from kvpolicy.engine import make_plan
 from kvpolicy.loader import check_file, layouts_dir, load_layout, load_policy, shipped_policy_names
 from kvpolicy.models import Layout, Topology
 
@@ -60,15 +60,15 @@ def test_vllm_compat_gives_upstream_factors(path, tp_size):
     if any(tp_size % factor for factor in expected):
         # upstream would use a factor whose replica sets do not tile TP; the engine must refuse instead
         with pytest.raises(PlanError):
-            plan(compat, the_layout, Topology(tp_size=tp_size))
+            make_plan(compat, the_layout, Topology(tp_size=tp_size))
         return
-    assert plan(compat, the_layout, Topology(tp_size=tp_size)).factors == expected
+    assert make_plan(compat, the_layout, Topology(tp_size=tp_size)).factors == expected
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.stem)
 def test_vllm_compat_gives_factor_one_under_dcp(path):
     the_layout = layout_at(path)
-    the_plan = plan(policy_named("vllm-compat"), the_layout, Topology(tp_size=8, dcp_size=2))
+    the_plan = make_plan(policy_named("vllm-compat"), the_layout, Topology(tp_size=8, dcp_size=2))
     assert the_plan.factors == (1,) * len(the_layout.groups)
 
 
@@ -76,14 +76,14 @@ def test_vllm_compat_gives_factor_one_under_dcp(path):
 @pytest.mark.parametrize("policy_name", ["default", "no-dedup", "vllm-compat"])
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.stem)
 def test_every_shipped_policy_plans_every_example_layout(path, policy_name, tp_size):
-    the_plan = plan(policy_named(policy_name), layout_at(path), Topology(tp_size=tp_size, pp_size=2))
+    the_plan = make_plan(policy_named(policy_name), layout_at(path), Topology(tp_size=tp_size, pp_size=2))
     assert all(tp_size % factor == 0 for factor in the_plan.factors)
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.stem)
 def test_default_never_shares_a_mamba_group_unless_it_is_declared_replicated(path):
     the_layout = layout_at(path)
-    the_plan = plan(policy_named("default"), the_layout, Topology(tp_size=8))
+    the_plan = make_plan(policy_named("default"), the_layout, Topology(tp_size=8))
     for group, factor in zip(the_layout.groups, the_plan.factors, strict=True):
         mamba = [m.spec for m in group.members if "MambaSpec" in m.spec.classes]
         if mamba and not all(spec.fields.get("tp_replicated") is True for spec in mamba):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from core_support import full, layout, mamba, mla, policy
 
-from kvpolicy.engine import plan as make_plan
+from kvpolicy.engine import make_plan
 from kvpolicy.loader import load_layout, load_policy
 from kvpolicy.models import Topology
 from kvpolicy.traffic import Stores, prompt_traffic

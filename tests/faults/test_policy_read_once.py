@@ -20,7 +20,7 @@ require("vllm")
 
 from pydantic import ValidationError  # noqa: E402
 
-from kvpolicy.engine import plan as make_plan  # noqa: E402
+from kvpolicy.engine import make_plan  # noqa: E402
 from kvpolicy.loader import load_layout, policies_dir  # noqa: E402
 from kvpolicy.models import Topology  # noqa: E402
 from kvpolicy.plan import Plan  # noqa: E402

@@ -35,7 +35,7 @@ from kvpolicy.audit import (  # noqa: E402
     agreement_key,
     demotion_key,
 )
-from kvpolicy.engine import plan as make_plan  # noqa: E402
+from kvpolicy.engine import make_plan  # noqa: E402
 from kvpolicy.loader import load_layout, load_policy  # noqa: E402
 from kvpolicy.models import Audit, AuditMode, Policy, Topology  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402

@@ -51,7 +51,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvpolicy.engine import plan as make_plan
+from kvpolicy.engine import make_plan
 from kvpolicy.keys import KeyContext, chunk_key
 from kvpolicy.loader import load_policy
 from kvpolicy.models import Policy, Schedule, Topology

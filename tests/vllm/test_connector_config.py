@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector impor
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvpolicy.diagnostics import DocumentError, PlanError
-from kvpolicy.engine import plan
+from kvpolicy.engine import make_plan
 from kvpolicy.loader import load_policy, policies_dir
 from kvpolicy.models import Group, Layout, Spec, Topology
 from kvpolicy.vllm.connector import KVPolicyConfigError, KVPolicyConnector, resolve_policy
@@ -200,7 +200,7 @@ def test_a_strict_override_changes_nothing_but_strict() -> None:
 def test_a_strict_override_takes_effect_in_planning() -> None:
     policy = resolve_policy({"kvpolicy": {"policy": "default", "strict": True}})
     with pytest.raises(PlanError, match="strict"):
-        plan(policy, plugin_layout(), Topology(tp_size=2))
+        make_plan(policy, plugin_layout(), Topology(tp_size=2))
 
 
 def test_an_unknown_mapping_key_suggests_the_known_one() -> None:

@@ -29,7 +29,7 @@ from vllm.v1.kv_cache_interface import (
 from kvpolicy.cli import main as cli_main
 from kvpolicy.diagnostics import PlanError
 from kvpolicy.dumper import dump_layout
-from kvpolicy.engine import plan as make_plan
+from kvpolicy.engine import make_plan
 from kvpolicy.keys import model_basename
 from kvpolicy.loader import check_file, load_policy, schemas_dir, shipped_policy_names
 from kvpolicy.models import Layout, Topology
