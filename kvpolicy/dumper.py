@@ -11,6 +11,7 @@ only where the loader expands them back to exactly the same names.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -80,9 +81,9 @@ def _fits_on_one_line(data: list[Any]) -> bool:
 
 
 def _is_scalar_tree(value: Any) -> bool:
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return all(_is_scalar_tree(item) for item in value)
-    return not isinstance(value, dict)
+    return not isinstance(value, Mapping)
 
 
 def dump_layout(layout: Layout, *, captured_at: Topology | None = None, schema: str | None = None) -> str:
@@ -148,8 +149,9 @@ def _spec_data(spec: Spec) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    """Tuples as lists (the safe dumper represents only YAML's own types); short lists of scalars on one line."""
-    if isinstance(value, dict):
+    """Mappings as dicts and tuples as lists (the safe dumper represents only YAML's own types); short
+    lists of scalars on one line."""
+    if isinstance(value, Mapping):
         return {key: _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         items = [_plain(item) for item in value]

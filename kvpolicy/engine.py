@@ -16,9 +16,23 @@ from collections.abc import Iterable, Mapping
 from kvpolicy.diagnostics import PlanError
 from kvpolicy.expressions import ExpressionError, Value
 from kvpolicy.keys import KeyContext, fingerprint
-from kvpolicy.matcher import judge, spec_variables
-from kvpolicy.models import Group, LayerSpecs, Layout, Policy, Replication, Rule, Schedule, Topology
+from kvpolicy.matcher import match_rule, spec_variables
+from kvpolicy.models import Group, LayerSpecs, Layout, Policy, Replication, Rule, Schedule, Topology, thawed
 from kvpolicy.plan import GroupPlan, LayerDecision, Plan, RankAssignment, WriteSchedule
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupDecision:
+    """What the rules decided for one group, before ranks, write schedules and keys follow from it."""
+
+    layer_decisions: tuple[LayerDecision, ...]
+    """One decision per layer, in the group's layer order."""
+    factor: int
+    """The group's replication factor: the gcd of its layers' factors, or 1 when the group is demoted."""
+    bytes_per_token_per_rank: float
+    """KV bytes one token occupies on one TP rank, summed over the group's layers."""
+    signature: tuple[dict[str, object], ...]
+    """Each member spec as the plan fingerprint covers it (JSON-able)."""
 
 
 def make_plan(
@@ -49,8 +63,8 @@ def make_plan(
             "schedule": policy.schedule.value,
             "topology": {"pp": topology.pp_size, "pcp": topology.pcp_size, "dcp": topology.dcp_size},
             "groups": [
-                {"factor": factor, "shards": topology.tp_size // factor, "specs": signature}
-                for _, factor, _, signature in decided
+                {"factor": decision.factor, "shards": topology.tp_size // decision.factor, "specs": decision.signature}
+                for decision in decided
             ],
         }
     )
@@ -67,8 +81,8 @@ def make_plan(
         groups=(),
     )
     groups = tuple(
-        _group_plan(skeleton, index, group, decisions, factor, per_rank_bytes, demoted=index in demoted)
-        for index, (group, (decisions, factor, per_rank_bytes, _)) in enumerate(zip(layout.groups, decided, strict=True))
+        _group_plan(skeleton, index, group, decision, demoted=index in demoted)
+        for index, (group, decision) in enumerate(zip(layout.groups, decided, strict=True))
     )
     return dataclasses.replace(skeleton, groups=groups)
 
@@ -81,8 +95,7 @@ def _decide_group(
     topology: Topology,
     *,
     demoted: bool,
-) -> tuple[tuple[LayerDecision, ...], int, float, list[dict[str, object]]]:
-    """Per-layer decisions, the group factor, bytes per token on one rank, and the group's spec signature."""
+) -> GroupDecision:
     label = f"group {index}" + (f" ({group.name})" if group.name else "")
     decisions: list[LayerDecision] = []
     per_rank_bytes = 0.0
@@ -102,7 +115,7 @@ def _decide_group(
                 "type": member.spec.type,
                 "block_size": member.spec.block_size,
                 "page_size_bytes": page_size,
-                "fields": member.spec.fields,
+                "fields": thawed(member.spec.fields),
                 "layers": len(member.layers),
             }
         )
@@ -122,7 +135,12 @@ def _decide_group(
             f"{topology.dcp_size}; under decode-context parallelism consecutive TP ranks hold different "
             "tokens, so no replica set exists — add a rule 'when: dcp_size > 1' giving 'sharded'"
         )
-    return tuple(decisions), 1 if demoted else factor, per_rank_bytes, signature
+    return GroupDecision(
+        layer_decisions=tuple(decisions),
+        factor=1 if demoted else factor,
+        bytes_per_token_per_rank=per_rank_bytes,
+        signature=tuple(signature),
+    )
 
 
 def _decide_layer(
@@ -137,12 +155,12 @@ def _decide_layer(
     passed_over: list[tuple[str, str]] = []
     for rule_index, rule in enumerate(policy.rules):
         try:
-            verdict = judge(rule, spec, layer, variables)
+            outcome = match_rule(rule, spec, layer, variables)
         except ExpressionError as error:
             origin = policy.rule_origin(rule_index)
             raise PlanError(f"{label}, layer {layer}: rule '{rule.name}' ({origin}): {error.message}") from None
-        if not verdict.matched:
-            passed_over.append((rule.name, verdict.reason))
+        if not outcome.matched:
+            passed_over.append((rule.name, outcome.reason))
             continue
         origin = policy.rule_origin(rule_index)
         factor = _rule_factor(rule, variables, topology, f"{label}, layer {layer}: rule '{rule.name}' ({origin})")
@@ -187,12 +205,11 @@ def _group_plan(
     skeleton: Plan,
     index: int,
     group: Group,
-    decisions: tuple[LayerDecision, ...],
-    factor: int,
-    per_rank_bytes: float,
+    decision: GroupDecision,
     *,
     demoted: bool,
 ) -> GroupPlan:
+    factor, per_rank_bytes = decision.factor, decision.bytes_per_token_per_rank
     topology = skeleton.topology
     tp_size = topology.tp_size
     shards = tp_size // factor
@@ -217,7 +234,7 @@ def _group_plan(
         name=group.name or f"group-{index}",
         spec_types=tuple(dict.fromkeys(member.spec.type for member in group.members)),
         uniform=group.is_uniform,
-        decisions=decisions,
+        decisions=decision.layer_decisions,
         factor=factor,
         shards=shards,
         ranks=ranks,

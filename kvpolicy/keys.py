@@ -55,8 +55,28 @@ def render_prefix(
     )
 
 
-def chunk_key(prefix: str, chunk_hash_hex: str) -> str:
-    return f"{prefix}@{chunk_hash_hex}"
+def chunk_key(namespace: str, chunk_hash_hex: str) -> str:
+    """The store key of one chunk: its namespace's prefix and the chunk hash, as vLLM spells it."""
+    return f"{namespace}@{chunk_hash_hex}"
+
+
+def split_chunk_key(key: str) -> tuple[str, str]:
+    """(namespace, chunk hash) of a :func:`chunk_key`; the namespace may itself contain ``@``."""
+    namespace, separator, chunk_hash_hex = key.rpartition("@")
+    if not separator:
+        raise ValueError(f"{key!r} is not a chunk key (no '@')")
+    return namespace, chunk_hash_hex
+
+
+AGREEMENT_MARKER = "kvpolicy-audit-agreed"
+DEMOTION_MARKER = "kvpolicy-audit-demoted"
+
+
+def marker_key(namespace: str, marker: str, fingerprint: str) -> str:
+    """An audit marker in ``namespace``: ``marker`` (:data:`AGREEMENT_MARKER` or
+    :data:`DEMOTION_MARKER`) about the plan with ``fingerprint``. It sits beside the namespace's chunk
+    keys but never collides with one: a chunk hash is hex, a marker name is not."""
+    return f"{namespace}@{marker}@{fingerprint}"
 
 
 def fingerprint(payload: Any) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from importlib import resources
 from pathlib import Path as FilePath
 from typing import Any, Union
@@ -23,6 +23,7 @@ from kvpolicy.models import SPEC_VARIABLES, TOPOLOGY_VARIABLES, Layout, Policy
 from kvpolicy.yamlsource import Path, SourceMap, parse
 
 Document = Policy | Layout
+"""One top-level document, as a file holds it: a replication policy or a model layout."""
 KINDS: dict[str, type[Policy] | type[Layout]] = {"ReplicationPolicy": Policy, "ModelLayout": Layout}
 
 
@@ -237,7 +238,7 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     origin = typing.get_origin(annotation)
     if origin in (Union, types.UnionType, tuple, list, typing.Annotated) or origin is not None:
         args = typing.get_args(annotation)
-        if origin is dict:
+        if isinstance(origin, type) and issubclass(origin, Mapping):  # dict, FrozenMapping: skip the key type
             args = args[1:]
         return [model for arg in args for model in _models_in(arg)]
     return []

@@ -1,8 +1,10 @@
 """The two versioned documents kvpolicy reads: a replication *policy* and a model *layout*.
 
-Both are frozen Pydantic models that reject unknown fields. Every field carries an attribute
-docstring: ``use_attribute_docstrings`` turns it into the JSON Schema description that editors
-show, so one sentence documents the code, the schema and the YAML.
+Both are frozen Pydantic models that reject unknown fields, immutable all the way down (their
+free-form mappings are :class:`FrozenMapping`, their lists tuples), so a loaded document is
+hashable and no caller can change it under another. Every field carries an attribute docstring:
+``use_attribute_docstrings`` turns it into the JSON Schema description that editors show, so one
+sentence documents the code, the schema and the YAML.
 """
 
 from __future__ import annotations
@@ -10,22 +12,25 @@ from __future__ import annotations
 import math
 import re
 import string
+import typing
+from collections.abc import Iterable, Iterator, Mapping
 from enum import Enum
-from collections.abc import Iterator
 from functools import cached_property
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    GetCoreSchemaHandler,
     PlainSerializer,
     PrivateAttr,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
+from pydantic_core import core_schema
 
 from kvpolicy.expressions import Expression, ExpressionError
 
@@ -86,6 +91,89 @@ ExpressionText = Annotated[
 
 ScalarValue = int | bool | str | None
 FieldValue = ScalarValue | list[Any]
+"""A spec field's value as a document writes it; once loaded, its lists are tuples (:func:`deep_frozen`)."""
+
+_Key = TypeVar("_Key")
+_Value_co = TypeVar("_Value_co", covariant=True)
+
+
+class FrozenMapping(Mapping[_Key, _Value_co]):
+    """An immutable, hashable mapping that keeps insertion order; its values are :func:`deep_frozen`.
+
+    As a Pydantic field type, ``FrozenMapping[K, V]`` validates and appears in JSON Schema exactly
+    like ``dict[K, V]`` (an ``object``), and serializes back to plain dicts and lists.
+    """
+
+    __slots__ = ("_hash", "_items")
+
+    def __init__(self, items: Mapping[_Key, _Value_co] | Iterable[tuple[_Key, _Value_co]] = ()) -> None:
+        self._items: dict[_Key, _Value_co] = {key: deep_frozen(value) for key, value in dict(items).items()}
+        self._hash: int | None = None
+
+    def __getitem__(self, key: _Key) -> _Value_co:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[_Key]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return self._items == dict(other.items())
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            # Order-blind, like equality: two mappings with the same items are equal whatever their order.
+            self._hash = hash(frozenset(self._items.items()))
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._items!r})"
+
+    def __reduce__(self) -> tuple[type[FrozenMapping[_Key, _Value_co]], tuple[dict[_Key, _Value_co]]]:
+        return type(self), (self._items,)
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        key_type, value_type = typing.get_args(source) or (Any, Any)
+        return core_schema.no_info_after_validator_function(
+            _validated_frozen,
+            handler.generate_schema(dict[key_type, value_type]),  # type: ignore[valid-type]
+            serialization=core_schema.plain_serializer_function_ser_schema(thawed),
+        )
+
+
+def deep_frozen(value: Any) -> Any:
+    """``value`` with every mapping in it made a :class:`FrozenMapping` and every list a tuple."""
+    if isinstance(value, FrozenMapping):
+        return value
+    if isinstance(value, Mapping):
+        return FrozenMapping(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(deep_frozen(item) for item in value)
+    return value
+
+
+def thawed(value: Any) -> Any:
+    """The inverse of :func:`deep_frozen`: mappings as dicts and tuples as lists, all the way down."""
+    if isinstance(value, Mapping):
+        return {key: thawed(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [thawed(item) for item in value]
+    return value
+
+
+def _validated_frozen(items: dict[Any, Any]) -> FrozenMapping[Any, Any]:
+    frozen: FrozenMapping[Any, Any] = FrozenMapping(items)
+    try:
+        hash(frozen)
+    except TypeError as error:  # a value deep_frozen cannot freeze, such as a set built in Python
+        raise ValueError(f"values must be scalars, lists or mappings ({error})") from None
+    return frozen
+
 
 _NAME_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
 
@@ -94,7 +182,10 @@ def _as_tuple(value: Any) -> Any:
     return (value,) if isinstance(value, str) else value
 
 
-class Document(BaseModel):
+class StrictModel(BaseModel):
+    """The base of every model in this module: frozen, rejects unknown fields, and turns attribute
+    docstrings into JSON Schema descriptions."""
+
     model_config = ConfigDict(
         frozen=True,
         extra="forbid",
@@ -132,12 +223,12 @@ class AuditMode(str, Enum):
     """Trust the policy without checking."""
 
 
-class Match(Document):
+class Match(StrictModel):
     """Which layer specs a rule applies to. All given conditions must hold; none given matches all."""
 
     spec: tuple[str, ...] | None = None
     """Spec class names; a spec matches when its class or any of its base classes is listed."""
-    fields: dict[str, FieldValue] = Field(default_factory=dict)
+    fields: FrozenMapping[str, FieldValue] = Field(default_factory=FrozenMapping)
     """Spec field values that must be equal; a list means any of its values."""
     layers: tuple[str, ...] | None = None
     """Layer-name globs (fnmatch); a layer matches when any glob matches its name."""
@@ -145,7 +236,7 @@ class Match(Document):
     _as_tuples = field_validator("spec", "layers", mode="before")(_as_tuple)
 
 
-class Rule(Document):
+class Rule(StrictModel):
     """One replication rule. Rules are tried in order per layer spec; the first that matches wins."""
 
     name: str = Field(pattern=_NAME_PATTERN)
@@ -174,7 +265,7 @@ class Rule(Document):
         return self
 
 
-class KeyFormat(Document):
+class KeyFormat(StrictModel):
     """How store keys are spelled."""
 
     template: str = UPSTREAM_KEY_TEMPLATE
@@ -216,7 +307,7 @@ class KeyFormat(Document):
         return template
 
 
-class Audit(Document):
+class Audit(StrictModel):
     """Online check that a replicated group really is byte-identical across its replica set."""
 
     mode: AuditMode = AuditMode.WARN
@@ -225,7 +316,7 @@ class Audit(Document):
     """Number of save steps audited after start-up."""
 
 
-class Policy(Document):
+class Policy(StrictModel):
     """A replication policy: ordered rules that turn cache specs and a topology into factors."""
 
     version: Literal[1]
@@ -314,7 +405,7 @@ def expand_layer_pattern(pattern: str) -> tuple[str, ...]:
     return tuple(name for index in range(low, high + 1) for name in expand_layer_pattern(f"{head}{index}{tail}"))
 
 
-class Spec(Document):
+class Spec(StrictModel):
     """One KV-cache spec as vLLM reports it for a layer on one TP rank."""
 
     type: str = Field(min_length=1)
@@ -325,7 +416,7 @@ class Spec(Document):
     """Tokens per block."""
     page_size_bytes: ExpressionText
     """Bytes one block occupies on one TP rank: an integer or an expression over the topology."""
-    fields: dict[str, FieldValue] = Field(default_factory=dict)
+    fields: FrozenMapping[str, FieldValue] = Field(default_factory=FrozenMapping)
     """Other dataclass fields of the spec."""
 
     @property
@@ -334,7 +425,7 @@ class Spec(Document):
         return (self.type, *self.bases)
 
 
-class LayerSpecs(Document):
+class LayerSpecs(StrictModel):
     """Layers that share one spec."""
 
     spec: Spec
@@ -351,7 +442,7 @@ class LayerSpecs(Document):
         return tuple(name for pattern in layers for name in expand_layer_pattern(pattern))
 
 
-class Group(Document):
+class Group(StrictModel):
     """One prefix-cacheable KV-cache group: either one spec for its layers, or ``uniform`` per-layer specs."""
 
     name: str | None = None
@@ -390,7 +481,7 @@ class Group(Document):
         return self.uniform is not None
 
 
-class Layout(Document):
+class Layout(StrictModel):
     """A model's prefix-cacheable KV-cache groups, as vLLM builds them."""
 
     version: Literal[1]
@@ -401,12 +492,12 @@ class Layout(Document):
     """Model name or path; keys use its last path component."""
     description: str = ""
     """What is special about this model's cache."""
-    source: dict[str, Any] = Field(default_factory=dict)
+    source: FrozenMapping[str, Any] = Field(default_factory=FrozenMapping)
     """Config fields this layout was derived from, and their values."""
     total_num_kv_heads: int = Field(ge=1)
     """Model-wide number of KV heads (vLLM's ``model_config.get_total_num_kv_heads()``)."""
     groups: tuple[Group, ...] = Field(min_length=1)
-    """Groups in vLLM's order; a group's index is its position here."""
+    """Groups in vLLM's order; a group's index is its position in this list."""
 
     @model_validator(mode="before")
     @classmethod
@@ -419,7 +510,7 @@ class Layout(Document):
         return data
 
 
-class Topology(Document):
+class Topology(StrictModel):
     """The parallel layout of one vLLM instance."""
 
     tp_size: int = Field(default=1, ge=1, le=4096)

@@ -14,6 +14,7 @@ Test modules reach ``require`` with ``from conftest import require``: pytest put
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Iterator
@@ -59,18 +60,17 @@ def mooncake_master() -> Iterator[MooncakeMaster]:
     pytest tears them down before it): a client that outlives its master blocks ~30 s on close.
     """
     require("mooncake.store")
-    from kvpolicy.mooncake.master import MooncakeUnavailable
-    from kvpolicy.mooncake.testing import running_master
+    from kvpolicy.mooncake.master import MooncakeMaster, MooncakeUnavailable
 
+    master = MooncakeMaster()
     try:
-        context = running_master()
-        master = context.__enter__()
+        master.start()
     except MooncakeUnavailable as error:
         unavailable(f"no Mooncake master: {error}")
     try:
         yield master
     finally:
-        context.__exit__(None, None, None)
+        master.stop()
 
 
 
@@ -85,31 +85,50 @@ class NoPublishedDemotions:
         return [0] * len(keys)
 
 
-def planning_worker(policy: Any, model: Any, store: Any) -> Any:
-    """TP rank 0's ``KVPolicyStoreWorker`` for a harness model (``harness._build_model``), planned as
-    upstream's ``__init__`` plans it, but built without that ``__init__`` (which would mount a
-    Mooncake segment and need torch.distributed): the attributes planning reads, and ``store``.
-    Planning gathers published demotions over TP; a test without torch.distributed stubs
-    ``kvpolicy.vllm.audit.gather_over_tp``."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import MooncakeStoreCoordinator
+@functools.cache
+def engine_config(
+    tp_size: int, *, pp_size: int = 1, dcp_size: int = 1, extra_config: tuple[tuple[str, Any], ...] = ()
+) -> Any:
+    """The ``VllmConfig`` an engine hands its store workers: block size 16, LBHNC layout resolved,
+    ``kv_connector_extra_config`` from ``extra_config`` pairs. Cached (building one takes ~0.25 s);
+    the workers only read it. PCP is not set: vLLM's CPU platform rejects it, and the workers take
+    their PCP rank and size from ``Ranks``. The CPU platform also resets DCP to 1 on validation; a
+    GPU engine keeps it, and the coordinator reads it, so it is set back."""
+    from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, VllmConfig
 
+    config = VllmConfig(
+        parallel_config=ParallelConfig(tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size),
+        cache_config=CacheConfig(block_size=16),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="MooncakeStoreConnector", kv_role="kv_both", kv_connector_extra_config=dict(extra_config)
+        ),
+    )
+    config.parallel_config.decode_context_parallel_size = dcp_size
+    config.cache_config.kv_cache_layout = "LBHNC"
+    return config
+
+
+def alone(payload: Any) -> list[Any]:
+    """The TP collective as rank 0 sees it when the other ranks report nothing."""
+    return [payload]
+
+
+def planning_worker(policy: Any, model: Any, store: Any, *, gather: Any = alone, tp_rank: int = 0) -> Any:
+    """Rank ``tp_rank``'s ``KVPolicyStoreWorker`` for a simulated model (``kvpolicy.sim.build_model``),
+    through its standalone construction: planned, its token databases built, no KV registered."""
+    from kvpolicy.vllm.standalone import Ranks
     from kvpolicy.vllm.worker import KVPolicyStoreWorker
 
-    worker = KVPolicyStoreWorker.__new__(KVPolicyStoreWorker)
-    worker._init_policy_state(policy, model=model.name, cache_prefix="")
-    worker._kv_cache_config = model.kv_cache_config
-    worker._kv_cache_groups = MooncakeStoreCoordinator.from_kv_cache_config(
-        model.kv_cache_config, model.vllm_config, model.block_size, model.hash_block_size
-    ).kv_cache_groups
-    worker.num_kv_head = model.total_num_kv_heads
-    worker.tp_rank, worker.tp_size = 0, model.vllm_config.parallel_config.tensor_parallel_size
-    worker.pp_rank, worker.pp_size = 0, 1
-    worker.pcp_rank, worker.pcp_size = 0, 1
-    worker.dcp_rank, worker.dcp_size = 0, 1
-    worker.store = store
-    # As upstream's __init__ calls the override point.
-    worker._group_tp_replication_factors = worker._compute_group_tp_replication_factors()
-    return worker
+    return KVPolicyStoreWorker.standalone(
+        model.vllm_config,
+        model.kv_cache_config,
+        policy=policy,
+        ranks=Ranks(tp_rank=tp_rank, tp_size=model.tp_size),
+        store=store,
+        model=model.name,
+        total_num_kv_heads=model.total_num_kv_heads,
+        gather=gather,
+    )
 
 # --- end to end: one master per module, and the engines' store ---------------------------------
 
@@ -136,9 +155,8 @@ def e2e_master() -> Iterator[MooncakeMaster]:
 @pytest.fixture(scope="module")
 def e2e_store_config(e2e_master: MooncakeMaster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The engines' ``MOONCAKE_CONFIG_PATH``, with a segment holder keeping the objects alive."""
-    from kvpolicy.mooncake.testing import small_client_config
     from kvpolicy.vllm.e2e import SegmentHolder, engine_store_config
 
-    path = engine_store_config(small_client_config(e2e_master), tmp_path_factory.mktemp("mooncake") / "engine.json")
+    path = engine_store_config(e2e_master.client_config(), tmp_path_factory.mktemp("mooncake") / "engine.json")
     with SegmentHolder(e2e_master.rpc_address, segment_mib=SEGMENT_MIB):
         yield path

@@ -6,6 +6,7 @@ loopback flags and keeps the optional servers (HTTP metadata, KV events, HA) swi
 
 from __future__ import annotations
 
+
 import ctypes
 import os
 import shutil
@@ -20,7 +21,10 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Self
+
+if TYPE_CHECKING:
+    from kvpolicy.mooncake.client import ClientConfig
 
 
 LOOPBACK = "127.0.0.1"
@@ -124,13 +128,36 @@ class MooncakeMaster:
             raise RuntimeError("the master has not been started")
         return self._log_path
 
-    def start(self) -> Self:
-        """Launch the master and wait until its metrics endpoint answers."""
+    def client_config(self, *, segment_mib: int = 64, buffer_mib: int = 16) -> ClientConfig:
+        """A loopback store-client config for this master, sized for a small machine."""
+        from kvpolicy.mooncake.client import MiB, ClientConfig  # client.py imports this module
+
+        return ClientConfig(
+            master_server_address=self.rpc_address,
+            global_segment_size=segment_mib * MiB,
+            local_buffer_size=buffer_mib * MiB,
+        )
+
+    @property
+    def serving(self) -> bool:
+        """The process runs and its metrics endpoint answers."""
+        if self._process is None or self._process.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=1.0) as response:
+                response.read()
+            return True
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def start(self, *, ports: tuple[int, int] | None = None) -> Self:
+        """Launch the master and wait until its metrics endpoint answers. ``ports`` (rpc, metrics)
+        fixes the ports, e.g. to start a master again where its clients expect it; default: free ones."""
         if self._process is not None:
             raise RuntimeError("the master is already running")
         binary = find_master_binary(self._binary)
         require_ibverbs()
-        self.rpc_port, self.metrics_port = free_ports(2)
+        self.rpc_port, self.metrics_port = ports if ports is not None else free_ports(2)
         fd, log_name = tempfile.mkstemp(prefix="mooncake_master-", suffix=".log")
         self._log_path = Path(log_name)
         # A file, not a pipe: nobody drains the master's output while it runs.

@@ -21,9 +21,6 @@ The pure half (digests, verdicts, the per-instance :class:`~kvpolicy.audit.Audit
   order, and the replicas' KV then differ in the last bits (measured on a real TP=4 engine:
   relative distance 9e-8, where distinct heads are ~1.4 apart). Without this the audit would
   demote correct rules there.
-* :func:`retarget` moves a worker to the plan the audit produced: token databases (key
-  prefixes, shard ids), lookup prefixes, factors, and the send thread's put steps and
-  participation.
 * :class:`LookupGate`: before an instance has verified a replicated group itself, a lookup may use
   the group's shared namespace only when another instance running the same plan left an
   :func:`~kvpolicy.audit.agreement_key` there. Without it, the first request of a fresh instance
@@ -60,7 +57,6 @@ has a group to audit — a decision taken from the plan alone — and whose unio
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import math
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -88,7 +84,6 @@ from kvpolicy.audit import (
     distances_to_reference,
 )
 from kvpolicy.plan import Plan
-from kvpolicy.vllm import store as plan_store
 
 # Under "vllm." so records reach vLLM's own handler (it configures only the "vllm" logger tree).
 logger = init_logger(f"vllm.{__name__}")
@@ -113,7 +108,6 @@ __all__ = [
     "local_samples",
     "read_demotions",
     "record_stats",
-    "retarget",
     "revoke_agreements",
     "tensor_distance",
     "write_agreements",
@@ -429,41 +423,6 @@ def record_stats(worker: Any, blocks: Mapping[int, Sequence[int]], seconds: floa
 
 
 # --- the fallback ----------------------------------------------------------------------------------
-
-
-def retarget(worker: Any, plan: Plan) -> None:
-    """Point a store worker (``MooncakeStoreWorker`` or ``KVPolicyStoreWorker``) at ``plan``.
-
-    The token databases are rebuilt by :func:`kvpolicy.vllm.store.build_token_databases` (the one
-    place a plan becomes store objects), given the registered regions of the old ones, and put
-    into the *same* list the transfer threads hold. Call it while no save or load is in flight:
-    the send thread reads put steps, participation and key prefixes per job.
-    """
-    old = list(worker.token_dbs)
-    if len(old) != len(plan.groups):
-        raise ValueError(f"the worker has {len(old)} token databases but the plan {len(plan.groups)} groups")
-    metadata = dataclasses.replace(old[0].metadata, tp_rank=worker.tp_rank, group_id=0)
-    new = plan_store.build_token_databases(
-        plan,
-        tp_rank=worker.tp_rank,
-        pcp_rank=worker.pcp_rank,
-        pp_rank=worker.pp_rank,
-        block_sizes=[database.block_size for database in old],
-        hash_block_sizes=[database.hash_block_size for database in old],
-        metadata=metadata,
-    )
-    for database, previous in zip(new, old, strict=True):
-        database.set_kv_caches_base_addr(list(previous.kv_caches_base_addr))
-        database.set_block_len(list(previous.block_len))
-    worker.token_dbs[:] = new
-    worker._lookup_key_prefixes = plan_store.lookup_key_prefixes(plan)
-    worker._group_tp_replication_factors = plan.factors
-    thread = worker.kv_send_thread
-    if thread is not None:
-        thread.group_put_steps = plan_store.group_put_steps(plan)
-        thread.group_participates = plan_store.group_participates(
-            plan, worker.tp_rank, [group.kv_cache_spec.prefix_cacheable for group in worker._kv_cache_groups]
-        )
 
 
 def drain(worker: Any) -> None:

@@ -67,17 +67,11 @@ def _kebab(class_name: str) -> str:
 
 
 def _uniform_entries(spec: UniformTypeKVCacheSpecs) -> tuple[LayerSpecs, ...]:
-    # Spec documents hold dicts, so they are unhashable: merge by equality, keeping first appearance.
-    merged: list[tuple[Spec, list[str]]] = []
+    # Equal spec documents merge into one entry, in order of first appearance.
+    merged: dict[Spec, list[str]] = {}
     for layer, layer_spec in spec.kv_cache_specs.items():
-        document = spec_document(layer_spec)
-        for known, layers in merged:
-            if known == document:
-                layers.append(layer)
-                break
-        else:
-            merged.append((document, [layer]))
-    return tuple(LayerSpecs(spec=document, layers=tuple(layers)) for document, layers in merged)
+        merged.setdefault(spec_document(layer_spec), []).append(layer)
+    return tuple(LayerSpecs(spec=document, layers=tuple(layers)) for document, layers in merged.items())
 
 
 def layout_from_kv_cache_config(

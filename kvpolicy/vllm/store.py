@@ -1,8 +1,7 @@
 """The one place a :class:`~kvpolicy.plan.Plan` becomes vLLM Mooncake-store objects.
 
-Both :class:`kvpolicy.vllm.worker.KVPolicyStoreWorker` and the multi-rank test harness build their
-token databases, put schedules and lookup prefixes here, so the keys a test checks are the keys
-the connector writes.
+:class:`kvpolicy.vllm.worker.KVPolicyStoreWorker` builds its token databases, put schedules and
+lookup prefixes here, on an engine and in the simulation alike.
 """
 
 from __future__ import annotations
@@ -180,3 +179,8 @@ def group_participates(plan: Plan, tp_rank: int, prefix_cacheable: Sequence[bool
 def lookup_key_prefixes(plan: Plan) -> tuple[tuple[str, ...], ...]:
     """``MooncakeStoreWorker._lookup_key_prefixes``: per group, every namespace a hit needs."""
     return tuple(group.lookup_namespaces for group in plan.groups)
+
+
+def chunk_object_size(database: ChunkedTokenDatabase) -> int:
+    """Bytes of one stored chunk object of a group on one rank (one block of every region)."""
+    return sum(database.prepare_value_for_block(1)[1])

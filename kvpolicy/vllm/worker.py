@@ -3,13 +3,14 @@ and the online replication audit (see :mod:`kvpolicy.vllm.audit`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 from vllm.config import VllmConfig
@@ -36,6 +37,7 @@ from kvpolicy.report import format_plan_table, plan_to_json
 from kvpolicy.vllm import audit as online_audit
 from kvpolicy.vllm import store
 from kvpolicy.vllm.layout import layout_from_kv_cache_config
+from kvpolicy.vllm.standalone import Ranks, init_standalone
 
 # Under "vllm." so records reach vLLM's own handler (it configures only the "vllm" logger tree).
 logger = init_logger(f"vllm.{__name__}")
@@ -91,29 +93,63 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, policy: Policy) -> None:
         # Upstream's __init__ calls the override points, so everything they read is set first.
-        assert vllm_config.kv_transfer_config is not None
-        extra_config = vllm_config.kv_transfer_config.kv_connector_extra_config
         is_first_rank = vllm_config.parallel_config.rank == 0
-        layout_out = extra_config.get(LAYOUT_OUT_KEY) if is_first_rank else None
         self._init_policy_state(
-            policy,
-            model=vllm_config.model_config.model,
-            cache_prefix=str(extra_config.get("cache_prefix", "")),
-            layout_out=Path(str(layout_out)) if layout_out else None,
+            policy, vllm_config, model=vllm_config.model_config.model, is_first_rank=is_first_rank,
+            gather=online_audit.gather_over_tp,
         )
         super().__init__(vllm_config, kv_cache_config)
-        if is_first_rank and self._plan is not None:
-            self._report_plan(extra_config.get(PLAN_JSON_KEY))
+        if is_first_rank:
+            self._report_plan(vllm_config)
+
+    @classmethod
+    def standalone(
+        cls,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        *,
+        policy: Policy,
+        ranks: Ranks,
+        store: Any,
+        model: str,
+        total_num_kv_heads: int,
+        gather: Callable[[Any], Sequence[Any]],
+    ) -> Self:
+        """This worker without vLLM's distributed runtime (:mod:`kvpolicy.vllm.standalone`): the
+        ranks, the store client and the TP collective are given instead of read off torch.distributed
+        (``gather(payload)`` returns every TP rank's payload, indexed by TP rank, as
+        :func:`~kvpolicy.vllm.audit.gather_over_tp` does over gloo). Plans, audits, gates lookups and
+        schedules puts exactly as on an engine; :mod:`kvpolicy.sim` runs its ranks this way."""
+        worker = cls.__new__(cls)
+        worker._init_policy_state(policy, vllm_config, model=model, is_first_rank=ranks.is_first, gather=gather)
+        init_standalone(
+            worker, vllm_config, kv_cache_config, ranks=ranks, store=store, model=model,
+            total_num_kv_heads=total_num_kv_heads,
+        )
+        if ranks.is_first:
+            worker._report_plan(vllm_config)
+        return worker
 
     def _init_policy_state(
-        self, policy: Policy, *, model: str, cache_prefix: str, layout_out: Path | None = None
+        self,
+        policy: Policy,
+        vllm_config: VllmConfig,
+        *,
+        model: str,
+        is_first_rank: bool,
+        gather: Callable[[Any], Sequence[Any]],
     ) -> None:
         """What the override points read besides upstream's own attributes (model and cache prefix
-        exactly as upstream reads them for ``KeyMetadata``; where to capture the layout, on rank 0)."""
+        exactly as upstream reads them for ``KeyMetadata``; where rank 0 captures the layout)."""
+        assert vllm_config.kv_transfer_config is not None
+        extra_config = vllm_config.kv_transfer_config.kv_connector_extra_config
+        layout_out = extra_config.get(LAYOUT_OUT_KEY) if is_first_rank else None
         self._policy = policy
-        self._layout_out = layout_out
+        self._layout_out = Path(str(layout_out)) if layout_out else None
         self._model = model
-        self._cache_prefix = cache_prefix
+        self._cache_prefix = str(extra_config.get("cache_prefix", ""))
+        self._gather = gather
+        self._last_lookup_gated = False
         self._store_namespace = ""
         self._plan: Plan | None = None
         self._audit: AuditState | None = None
@@ -131,6 +167,11 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
     def audit(self) -> AuditState | None:
         """The replication audit's state; None before planning and on a capacity-only instance."""
         return self._audit
+
+    @property
+    def last_lookup_gated(self) -> bool:
+        """The last :meth:`lookup` missed because the lookup gate was closed, not for want of objects."""
+        return self._last_lookup_gated
 
     def _require_plan(self) -> Plan:
         if self._plan is None:
@@ -203,7 +244,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         found = online_audit.read_demotions(
             self.store, declared, groups, pcp_rank=self.pcp_rank, pp_rank=self.pp_rank
         )
-        inherited = online_audit.agree_on_demotions(found)
+        inherited = online_audit.agree_on_demotions(found, gather=self._gather)
         if not inherited:
             return fresh
         try:
@@ -261,25 +302,55 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         if self._capacity_only or not kv_caches:
             return
         self._block_reader = online_audit.BlockReader(kv_caches)
-        if self.kv_send_thread is None:
-            return
         # Upstream builds and starts the send thread inline in register_kv_caches, with put steps =
         # factors and every prefix-cacheable group participating: right for "striped" only. There is
         # no hook, so the plan's schedule replaces both here. Safe although the thread is running:
         # saves reach it only through wait_for_save, which cannot run before this method returns.
-        plan = self._require_plan()
-        self.kv_send_thread.group_put_steps = store.group_put_steps(plan)
-        self.kv_send_thread.group_participates = store.group_participates(
-            plan, self.tp_rank, [group.kv_cache_spec.prefix_cacheable for group in self._kv_cache_groups]
-        )
+        self._bind(self._require_plan())
+
+    def _bind(self, plan: Plan) -> None:
+        """Point every plan-dependent part of this worker at ``plan``: factors, token databases (key
+        prefixes and shard ids, keeping the registered regions), lookup prefixes, and the send
+        thread's put steps and participation. The one place a plan is written into upstream's
+        attributes after ``__init__``: after registration, and after an audit demotion. Call it while
+        no save or load is in flight: the send thread reads all of these per job."""
+        self._plan = plan
+        self._group_tp_replication_factors = plan.factors
+        old = list(self.token_dbs)
+        if old:
+            new = store.build_token_databases(
+                plan,
+                tp_rank=self.tp_rank,
+                pcp_rank=self.pcp_rank,
+                pp_rank=self.pp_rank,
+                block_sizes=[database.block_size for database in old],
+                hash_block_sizes=[database.hash_block_size for database in old],
+                metadata=dataclasses.replace(old[0].metadata, tp_rank=self.tp_rank, group_id=0),
+            )
+            for database, previous in zip(new, old, strict=True):
+                database.set_kv_caches_base_addr(list(previous.kv_caches_base_addr))
+                database.set_block_len(list(previous.block_len))
+            # The same list object: the transfer threads hold it.
+            self.token_dbs[:] = new
+        self._lookup_key_prefixes = store.lookup_key_prefixes(plan)
+        thread = self.kv_send_thread
+        if thread is not None:
+            thread.group_put_steps = store.group_put_steps(plan)
+            thread.group_participates = store.group_participates(
+                plan, self.tp_rank, [group.kv_cache_spec.prefix_cacheable for group in self._kv_cache_groups]
+            )
 
     # --- reporting -------------------------------------------------------------------------------
 
     def _statuses(self) -> dict[int, AuditStatus] | None:
         return None if self._audit is None else self._audit.statuses
 
-    def _report_plan(self, json_path: object) -> None:
-        plan = self._require_plan()
+    def _report_plan(self, vllm_config: VllmConfig) -> None:
+        if self._plan is None:
+            return  # capacity-only: nothing planned
+        assert vllm_config.kv_transfer_config is not None
+        json_path = vllm_config.kv_transfer_config.kv_connector_extra_config.get(PLAN_JSON_KEY)
+        plan = self._plan
         logger.info(
             "kvpolicy plan (policy %s):\n%s", self._policy.name, format_plan_table(plan, audit=self._statuses())
         )
@@ -351,7 +422,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
                 # Still join the collective: a rank that skipped it would hang every other rank.
                 logger.exception("kvpolicy audit: tp rank %d could not digest its blocks", self.tp_rank)
             timings["digest"] = time.perf_counter() - started
-            gathered = online_audit.gather_over_tp(report)
+            gathered = list(self._gather(report))
             timings["gather"] = time.perf_counter() - started - timings["digest"]
             return gathered
 
@@ -366,7 +437,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
                 )
             except Exception:
                 logger.exception("kvpolicy audit: tp rank %d could not sample its blocks", self.tp_rank)
-            gathered = online_audit.gather_over_tp(samples)
+            gathered = list(self._gather(samples))
             timings["values"] = time.perf_counter() - began
             return gathered
 
@@ -380,8 +451,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         if outcome.plan_changed:
             # No save or load may straddle the change of namespaces.
             online_audit.drain(self)
-            online_audit.retarget(self, outcome.plan)
-            self._plan = outcome.plan
+            self._bind(outcome.plan)
         if self.tp_rank == 0:
             self._after_audit(outcome, blocks, started, timings)
 
@@ -479,6 +549,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
     # --- the lookup gate -------------------------------------------------------------------------
 
     def lookup(self, num_tokens: int, block_hashes: Sequence[BlockHash]) -> MooncakeLookupResult:
+        self._last_lookup_gated = False
         state = self._audit
         if state is not None and not self._capacity_only:
             try:
@@ -495,5 +566,6 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
                         ", ".join(map(str, state.untrusted_groups())) or "(other pp/pcp stages)",
                         state.plan.fingerprint,
                     )
+                self._last_lookup_gated = True
                 return MooncakeLookupResult(0)
         return super().lookup(num_tokens, block_hashes)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpolicy.cli import main
+from kvpolicy.app.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = sorted((REPO / "examples" / "layouts").glob("*.yaml"))

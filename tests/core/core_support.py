@@ -61,7 +61,8 @@ def policy(text: str) -> Policy:
 
 
 def upstream_factor(group: Any, *, tp_size: int, dcp_size: int, total_num_kv_heads: int) -> int:
-    """vLLM 0.32/0.33's ``_spec_tp_replication_factor``, re-written from the brief's five rules (not the engine).
+    """vLLM 0.32/0.33's ``_spec_tp_replication_factor`` re-written rule by rule (its five rules, numbered
+    below), independently of the engine.
 
     ``group`` is a layout group; a class "is" X when X is its type or one of the bases the layout states.
     """

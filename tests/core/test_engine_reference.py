@@ -1,4 +1,4 @@
-"""The engine against the brief's reference values, upstream's key format, the fingerprint and its refusals."""
+"""The engine against upstream's replication factors, upstream's key format, the fingerprint and its refusals."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def factors(policy, the_layout, **topology):
     return make_plan(policy, the_layout, Topology(**topology)).factors
 
 
-# --- the brief's reference values (pcp = pp = 1) -----------------------------------------------
+# --- vLLM 0.32's factors for hand-picked layouts (pcp = pp = 1) --------------------------------
 
 
 def test_mla_gqa_mamba_at_tp4_with_two_kv_heads():

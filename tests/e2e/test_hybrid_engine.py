@@ -46,7 +46,7 @@ if importlib.util.find_spec("vllm") is None:
     unavailable("vllm is not installed (pip install 'kvpolicy[vllm]')")
 require("mooncake.store")
 
-from kvpolicy.cli import main as kvpolicy_main  # noqa: E402
+from kvpolicy.app.cli import main as kvpolicy_main  # noqa: E402
 from kvpolicy.loader import check_file  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.vllm.e2e import (  # noqa: E402

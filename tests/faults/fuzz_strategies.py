@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 from hypothesis import strategies as st
 
-from kvpolicy.cli import main as cli_main
+from kvpolicy.app.cli import main as cli_main
 from kvpolicy.diagnostics import Diagnostic
 from kvpolicy.expressions import MAX_INT, Expression, ExpressionError
 from kvpolicy.keys import KeyContext, render_prefix

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpolicy.cli import main
+from kvpolicy.app.cli import main
 from kvpolicy.expressions import Expression, ExpressionError
 from kvpolicy.loader import check_text
 from kvpolicy.models import KeyFormat

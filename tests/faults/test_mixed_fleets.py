@@ -1,9 +1,9 @@
 """Two instances on one Mooncake store with different plans never load each other's objects wrongly.
 
 Each run saves a 256-token prompt from one instance (policy, TP size) and looks it up and loads it
-in another (:func:`kvpolicy.vllm.faults.run_mixed`): real vLLM store workers and threads, a real
+in another (:func:`kvpolicy.sim.run_mixed`): real vLLM store workers and threads, a real
 master. A load may miss, or hit with the right bytes; it must never hand a rank bytes that are not
-its own. "Right" across TP sizes (see :mod:`kvpolicy.vllm.faults`): a layer split into ``N``
+its own. "Right" across TP sizes (see :mod:`kvpolicy.sim.content`): a layer split into ``N``
 distinct shards holds the same bytes in shard ``s`` at any TP size with the same ``N`` — an MLA
 latent (``N = 1``) and a 2-KV-head attention layer (``N = 2``) are the same at TP 2 and TP 4;
 Mamba / linear-attention state (``N = tp``) is not.
@@ -23,8 +23,8 @@ require("mooncake.store")
 from kvpolicy.loader import load_policy, policies_dir  # noqa: E402
 from kvpolicy.models import Policy  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
-from kvpolicy.vllm.faults import MixedReport, run_mixed  # noqa: E402
-from kvpolicy.vllm.harness import BLOCK_SIZE, ClientPool  # noqa: E402
+from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
+from kvpolicy.sim import BLOCK_SIZE, MixedReport, run_mixed  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,9 @@ Every scenario runs on a *fresh* master: one ``mooncake_master`` process for thi
 and started again (empty, same ports) before each scenario, so the module's store clients survive
 it (a client whose master is gone blocks ~15 s on ``close``). Scenarios save a 256-token prompt
 from a 2-rank instance under the ``default`` policy and load it into a new 2-rank instance
-(:class:`kvpolicy.vllm.faults.Fleet`); a fault is injected between or inside those steps.
+(:class:`kvpolicy.sim.Fleet`, every rank a ``KVPolicyStoreWorker``); a fault is injected between or
+inside those steps. The policy's audit is off: these scenarios break Mooncake, not replication, and a
+save on a subset of ranks cannot take an audited step (the other ranks would hang in the collective).
 
 "No wrong bytes" is judged as vLLM's scheduler uses a load (:meth:`Instance.verdict`): a load
 error must surface as ``failed_recving`` (multi-group models) or as
@@ -27,24 +29,22 @@ require("mooncake.store")
 from kvpolicy.loader import load_policy  # noqa: E402
 from kvpolicy.mooncake.client import MiB  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeUnavailable  # noqa: E402
-from kvpolicy.vllm.faults import (  # noqa: E402
+from kvpolicy.mooncake.faults import (  # noqa: E402
     NO_AVAILABLE_HANDLE,
     FaultyStore,
-    Fleet,
     KillSwitch,
-    LoadVerdict,
     RestartableMaster,
-    SaveOutcome,
     fill_store,
 )
-from kvpolicy.vllm.harness import BLOCK_SIZE, ClientPool  # noqa: E402
+from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
+from kvpolicy.sim import BLOCK_SIZE, Fleet, LoadVerdict, SaveOutcome, audited_policy  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
 SEGMENT_MIB = 16  # Mooncake's smallest segment: the "tiny" store the full-segment scenario fills
 NUM_TOKENS = 256
 FULL_HIT = (NUM_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE  # the lookup keeps the last token: 240
-DEFAULT = load_policy("default")
+DEFAULT = audited_policy(load_policy("default"), audit=False)
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,7 @@ from kvpolicy.engine import make_plan  # noqa: E402
 from kvpolicy.loader import load_layout, policies_dir  # noqa: E402
 from kvpolicy.models import Topology  # noqa: E402
 from kvpolicy.plan import Plan  # noqa: E402
-from kvpolicy.vllm import audit as online_audit  # noqa: E402
-from kvpolicy.vllm import harness  # noqa: E402
+from kvpolicy.sim import build_model  # noqa: E402
 from kvpolicy.vllm.connector import POLICY_KEY, resolve_policy  # noqa: E402
 
 LAYOUT = "kimi-linear-48b-a3b"
@@ -78,15 +77,11 @@ def test_plans_and_policies_cannot_be_changed_in_place(policy_file: Path) -> Non
     assert isinstance(built.groups, tuple) and isinstance(policy.rules, tuple)
 
 
-def test_the_store_worker_plans_from_the_policy_it_was_given_after_the_file_is_gone(
-    policy_file: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_store_worker_plans_from_the_policy_it_was_given_after_the_file_is_gone(policy_file: Path) -> None:
     # The connector resolves the policy once and passes the object to KVPolicyStoreWorker, which
-    # plans from it on a real KVCacheConfig. Planning reads published demotions from the store and
-    # agrees on them over TP: one rank here.
-    monkeypatch.setattr(online_audit, "gather_over_tp", lambda payload: [payload])
+    # plans from it on a real KVCacheConfig.
     policy = resolve_policy({POLICY_KEY: str(policy_file)})
-    model = harness._build_model("kimi-linear", 4, model_name="moonshotai/Kimi-Linear-48B-A3B", blocks_needed=8)
+    model = build_model("kimi-linear", 4, model_name="moonshotai/Kimi-Linear-48B-A3B", blocks_needed=8)
     worker = planning_worker(policy, model, NoPublishedDemotions())  # rank 0 of TP 4
     first = worker._group_tp_replication_factors
     planned = worker.plan

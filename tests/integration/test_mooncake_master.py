@@ -33,27 +33,26 @@ from kvpolicy.mooncake import (
     store_client,
 )
 from kvpolicy.mooncake.master import INSTALL_HINT, free_ports
-from kvpolicy.mooncake.testing import running_master, small_client_config
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def master() -> Iterator[MooncakeMaster]:
-    with running_master() as started:
+    with MooncakeMaster() as started:
         yield started
 
 
 # Closing a client takes about 2 s, so the traffic tests share one writer and one reader.
 @pytest.fixture(scope="module")
 def writer(master: MooncakeMaster) -> Iterator[mooncake.store.MooncakeDistributedStore]:
-    with store_client(small_client_config(master)) as store:
+    with store_client(master.client_config()) as store:
         yield store
 
 
 @pytest.fixture(scope="module")
 def reader(master: MooncakeMaster) -> Iterator[mooncake.store.MooncakeDistributedStore]:
-    with store_client(small_client_config(master)) as store:
+    with store_client(master.client_config()) as store:
         yield store
 
 

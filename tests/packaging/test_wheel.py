@@ -16,14 +16,14 @@ PROBE = """
 import json, kvpolicy
 from kvpolicy.loader import load_policy, load_layout, policies_dir, layouts_dir, shipped_policy_names
 from kvpolicy.schema import stale_files
-from kvpolicy.loader import _bundled_dir
+from kvpolicy.loader import schemas_dir
 print(json.dumps({
     "module": kvpolicy.__file__,
     "policies_dir": str(policies_dir()),
     "names": list(shipped_policy_names()),
     "default_rules": len(load_policy("default").rules),
     "layout_groups": len(load_layout("kimi-linear-48b-a3b").groups),
-    "stale_schemas": [str(p) for p in stale_files(_bundled_dir("schemas"))],
+    "stale_schemas": [str(p) for p in stale_files(schemas_dir())],
 }))
 """
 

@@ -1,11 +1,12 @@
 """The replication audit on vLLM's real store worker objects and a real Mooncake master.
 
-The multi-rank harness runs the connector's audit (:mod:`kvpolicy.vllm.audit`) on its simulated
-ranks before the cold save: the ranks digest the blocks they are about to save, a disagreeing group
-is demoted and every rank retargeted, and a new warm instance loads what the cold one saved.
+The simulation (:mod:`kvpolicy.sim`) runs ``KVPolicyStoreWorker`` on every rank, so the cold save
+is the connector's audited step (:mod:`kvpolicy.vllm.audit`): the ranks digest the blocks they are
+about to save, a disagreeing group is demoted and published, and a new warm instance starts with
+the demotion and loads what the cold one saved.
 The deliberately wrong policy calls attention replicated; on archetypes whose ranks hold distinct
 heads it must be caught (warn) or stop the instance (enforce), and with the audit off it must
-corrupt the warm load — proof that the harness can see the difference.
+corrupt the warm load — proof that the simulation can see the difference.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from kvpolicy.loader import load_layout, load_policy  # noqa: E402
 from kvpolicy.models import Audit, AuditMode, Policy, Topology  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.vllm import audit as online_audit  # noqa: E402
-from kvpolicy.vllm import harness  # noqa: E402
-from kvpolicy.vllm.harness import ARCHETYPES, BLOCK_SIZE, ClientPool, HarnessReport, run_consistency  # noqa: E402
+from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
+from kvpolicy.sim import ARCHETYPES, BLOCK_SIZE, ConsistencyReport, Fleet, build_model, run_consistency  # noqa: E402
+from kvpolicy.sim import content, scheduler  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +56,7 @@ EXPECTED_HIT = (NUM_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
 DISTINCT_HEADS = ("sliding-window-full",)
 HYBRIDS_WITH_STATE = ("kimi-linear", "gqa-mamba")
 
-Run = Callable[..., HarnessReport]
+Run = Callable[..., ConsistencyReport]
 
 
 def with_audit(policy: Policy, mode: AuditMode) -> Policy:
@@ -74,9 +76,9 @@ def run(mooncake_master: MooncakeMaster, clients: ClientPool) -> Run:
     policies = {"wrong": load_policy(WRONG), "pre-fix": load_policy(PRE_FIX)}
     policies["wrong-warn"] = with_audit(policies["wrong"], AuditMode.WARN)
     policies["wrong-enforce"] = with_audit(policies["wrong"], AuditMode.ENFORCE)
-    reports: dict[tuple[str, str, int, bool | None], HarnessReport] = {}
+    reports: dict[tuple[str, str, int, bool | None], ConsistencyReport] = {}
 
-    def run(policy: str, archetype: str, tp_size: int, *, audit: bool | None = None) -> HarnessReport:
+    def run(policy: str, archetype: str, tp_size: int, *, audit: bool | None = None) -> ConsistencyReport:
         key = (policy, archetype, tp_size, audit)
         if key not in reports:
             source = policies.get(policy) or load_policy(policy)
@@ -88,7 +90,7 @@ def run(mooncake_master: MooncakeMaster, clients: ClientPool) -> Run:
     return run
 
 
-def describe(report: HarnessReport) -> str:
+def describe(report: ConsistencyReport) -> str:
     return "\n".join(
         f"  group {g.index} {g.name}: declared {g.declared_factor}, used {g.factor}, true {g.true_factor}, "
         f"audit {g.audit}, mismatched ranks {list(g.mismatched_ranks)}, {g.blocks_checked} blocks checked"
@@ -284,7 +286,7 @@ def test_ranks_agree_on_the_union_of_the_demotions_they_read() -> None:
 @pytest.fixture
 def wrong_model() -> Iterator[Any]:
     """Two attention groups with distinct heads at TP 2, in a key space of their own."""
-    yield harness._build_model(
+    yield build_model(
         "sliding-window-full", 2, model_name=f"kvpolicy-test/inherit-{uuid.uuid4().hex[:12]}", blocks_needed=8
     )
 
@@ -300,12 +302,14 @@ def store_client(clients: ClientPool, wrong_model: Any) -> Iterator[Any]:
 
 
 @pytest.fixture
-def one_rank_gather(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Stands in for the TP gather (no torch.distributed here): this rank's payload, then what the
-    test appends as the other ranks'."""
-    others: list[Any] = []
-    monkeypatch.setattr(online_audit, "gather_over_tp", lambda payload: [payload, *others])
-    return others
+def one_rank_gather() -> list[Any]:
+    """What the other TP ranks report in the collective (the test appends to it); rank 0's own
+    payload comes first (:func:`gather_with`)."""
+    return []
+
+
+def gather_with(others: list[Any]) -> Callable[[Any], list[Any]]:
+    return lambda payload: [payload, *others]
 
 
 def _demote(worker: Any, group: int) -> None:
@@ -321,7 +325,7 @@ def test_a_fresh_instance_starts_with_every_demotion_the_previous_one_published(
     wrong_model: Any, store_client: Any, one_rank_gather: list[Any], caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     policy = with_audit(load_policy(WRONG), AuditMode.WARN)
-    previous = planning_worker(policy, wrong_model, store_client)
+    previous = planning_worker(policy, wrong_model, store_client, gather=gather_with(one_rank_gather))
     declared = previous.plan
     assert declared.factors == (2, 2) and previous.audit.inherited == {}
     _demote(previous, 0)
@@ -329,7 +333,7 @@ def test_a_fresh_instance_starts_with_every_demotion_the_previous_one_published(
     assert previous.plan.factors == (1, 1)
 
     with caplog.at_level(logging.WARNING, logger="vllm.kvpolicy.vllm.worker"):
-        fresh = planning_worker(policy, wrong_model, store_client)
+        fresh = planning_worker(policy, wrong_model, store_client, gather=gather_with(one_rank_gather))
     assert fresh.plan.fingerprint == previous.plan.fingerprint != declared.fingerprint
     assert fresh.audit.initial_plan.fingerprint == declared.fingerprint
     assert fresh.audit.statuses == {0: AuditStatus.DEMOTED, 1: AuditStatus.DEMOTED}
@@ -355,7 +359,7 @@ def test_a_demotion_only_another_rank_read_is_inherited_by_every_rank(
     wrong_model: Any, store_client: Any, one_rank_gather: list[Any]
 ) -> None:
     one_rank_gather.append({1: "rank 1 read it"})
-    fresh = planning_worker(with_audit(load_policy(WRONG), AuditMode.WARN), wrong_model, store_client)
+    fresh = planning_worker(with_audit(load_policy(WRONG), AuditMode.WARN), wrong_model, store_client, gather=gather_with(one_rank_gather))
     assert fresh.audit.inherited == {1: "rank 1 read it"} and fresh.plan.factors == (2, 1)
     assert fresh.audit.groups_to_audit() == (0,)
 
@@ -363,20 +367,21 @@ def test_a_demotion_only_another_rank_read_is_inherited_by_every_rank(
 def test_enforce_refuses_to_start_after_another_instance_demoted(
     wrong_model: Any, store_client: Any, one_rank_gather: list[Any]
 ) -> None:
-    previous = planning_worker(with_audit(load_policy(WRONG), AuditMode.WARN), wrong_model, store_client)
+    previous = planning_worker(with_audit(load_policy(WRONG), AuditMode.WARN), wrong_model, store_client, gather=gather_with(one_rank_gather))
     _demote(previous, 1)
     with pytest.raises(ReplicationAuditError) as stopped:
-        planning_worker(with_audit(load_policy(WRONG), AuditMode.ENFORCE), wrong_model, store_client)
+        planning_worker(
+            with_audit(load_policy(WRONG), AuditMode.ENFORCE), wrong_model, store_client, gather=gather_with(one_rank_gather)
+        )
     assert str(stopped.value).startswith(f"another instance of plan {previous.audit.initial_plan.fingerprint} found:")
     assert previous.audit.history[0].messages[0] in str(stopped.value)
 
 
-def test_audit_off_neither_reads_markers_nor_gathers(wrong_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_audit_off_neither_reads_markers_nor_gathers(wrong_model: Any) -> None:
     def no_gather(payload: Any) -> list[Any]:
         raise AssertionError("audit: off must not gather")
 
-    monkeypatch.setattr(online_audit, "gather_over_tp", no_gather)
-    trusting = planning_worker(load_policy(WRONG), wrong_model, _BrokenStore())  # the file says audit: off
+    trusting = planning_worker(load_policy(WRONG), wrong_model, _BrokenStore(), gather=no_gather)  # audit: off
     assert trusting.plan.factors == (2, 2) and trusting.audit.inherited == {}
 
 
@@ -384,20 +389,21 @@ def test_audit_off_neither_reads_markers_nor_gathers(wrong_model: Any, monkeypat
 
 
 def _instance(archetype: str, tp_size: int, num_tokens: int, *, requests: int = 1):
-    """A harness model with ``requests`` prompts' save metadata and a coordinator (harness internals)."""
+    """A simulated model with ``requests`` prompts' save metadata and a coordinator."""
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import MooncakeStoreCoordinator
 
     chunks = math.ceil(num_tokens / BLOCK_SIZE)
-    model = harness._build_model(archetype, tp_size, model_name="audit-blocks", blocks_needed=1 + 2 * requests * chunks)
+    model = build_model(archetype, tp_size, model_name="audit-blocks", blocks_needed=1 + 2 * requests * chunks)
     coord = MooncakeStoreCoordinator.from_kv_cache_config(
         model.kv_cache_config, model.vllm_config, model.block_size, model.hash_block_size
     )
     metadata = None
     for index in range(requests):
         tokens = list(range(index * 100_000, index * 100_000 + num_tokens))
-        tables = harness._block_tables(model, num_tokens, seed=index, salt=f"r{index}", mamba_nulls=True)
-        one = harness._save_meta(
-            model, tables, harness._block_hashes(tokens, model.hash_block_size), num_tokens, f"r{index}", index, coord
+        tables = scheduler.block_tables(model, num_tokens, seed=index, salt=f"r{index}", mamba_nulls=True)
+        hashes = scheduler.block_hashes(tokens, model.hash_block_size)
+        one = scheduler.save_metadata(
+            model, tables, hashes, num_tokens, req_id=f"r{index}", store_job_id=index, coord=coord
         )
         if metadata is None:
             metadata = one
@@ -438,7 +444,7 @@ def test_a_step_that_saves_nothing_for_an_audited_group_is_not_audited() -> None
 
 
 def test_the_audit_command_fails_a_wrong_policy_naming_the_rule(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvpolicy.cli import main
+    from kvpolicy.app.cli import main
 
     code = main(["audit", "--policy", str(WRONG), "--archetype", "sliding-window-full", "--tp", "2"])
     out = capsys.readouterr().out
@@ -448,7 +454,7 @@ def test_the_audit_command_fails_a_wrong_policy_naming_the_rule(capsys: pytest.C
 
 
 def test_the_audit_command_passes_a_correct_policy_on_a_layout(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvpolicy.cli import main
+    from kvpolicy.app.cli import main
 
     code = main(["audit", "--policy", "default", "--layout", "deepseek-v3", "--tp", "2", "--format", "json"])
     payload = json.loads(capsys.readouterr().out)
@@ -460,50 +466,29 @@ def test_the_audit_command_passes_a_correct_policy_on_a_layout(capsys: pytest.Ca
 
 
 def _replicated_ranks(
-    clients: ClientPool, archetype: str, policy_source: str, tp_size: int, perturb: Callable[[int, torch.Tensor], None]
+    master: MooncakeMaster,
+    clients: ClientPool,
+    archetype: str,
+    policy_source: str,
+    tp_size: int,
+    perturb: Callable[[int, torch.Tensor], None],
 ):
-    """Cold ranks of ``archetype`` under a policy whose saved blocks hold the same float values on
-    every rank, then ``perturb(rank, tensor)`` per layer tensor; returns the audit's step outcome.
-    Built from the harness's internals: real workers, token databases, KV tensors, metadata."""
-    model = harness._build_model(archetype, tp_size, model_name="audit-rounding", blocks_needed=1 + 2 * 16)
-    layout = harness.layout_from_kv_cache_config(
-        model.kv_cache_config, model=model.name, total_num_kv_heads=model.total_num_kv_heads
-    )
+    """A ``tp_size`` instance of ``archetype`` under a policy, whose KV tensors hold the same float
+    values on every rank, then ``perturb(rank, tensor)`` per layer tensor; saves once (the audited
+    step of every rank's ``KVPolicyStoreWorker.wait_for_save``) and returns the audit's step outcome."""
     policy = with_audit(load_policy(policy_source), AuditMode.WARN)
-    plan = make_plan(policy, layout, Topology(tp_size=tp_size))
-    topology = Topology(tp_size=tp_size)
-    state = AuditState(plan, replan=lambda demoted: make_plan(policy, layout, topology, demoted=demoted))
-    leased = clients.acquire(tp_size)
-    ranks = []
-    try:
-        ranks = [harness._start_rank(model, plan, rank, client) for rank, client in enumerate(leased)]
-        for rank in ranks:
+    with Fleet(archetype, master=master, clients=clients, num_tokens=256) as fleet:
+        instance = fleet.instance(policy, tp_size, name="rounding")
+        for rank in instance.ranks:
             generator = torch.Generator().manual_seed(7)  # the same values on every rank
             for value in rank.kv_caches.values():
-                for tensor in harness._layer_tensors(value):
+                for tensor in content.layer_tensors(value):
                     tensor.copy_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype))
                     perturb(rank.tp_rank, tensor)
-        hashes = harness._block_hashes(list(range(256)), model.hash_block_size)
-        tables = harness._block_tables(model, 256, seed=0, salt="rounding", mamba_nulls=True)
-        metadata = harness._save_meta(model, tables, hashes, 256, "rounding", 0, ranks[0].worker.coord)
-        blocks = online_audit.blocks_to_audit(metadata, ranks[0].worker.coord, state.groups_to_audit())
-        readers = [online_audit.BlockReader(rank.kv_caches) for rank in ranks]
-        names = {index: group.layer_names for index, group in enumerate(ranks[0].worker._kv_cache_groups)}
-        return online_audit.conclude_step(
-            state,
-            lambda: [
-                online_audit.encode_report(online_audit.local_digests(rank.worker.token_dbs, reader, blocks))
-                for rank, reader in zip(ranks, readers, strict=True)
-            ],
-            lambda groups: [
-                online_audit.local_samples(rank.worker.token_dbs, reader, blocks, names, groups)
-                for rank, reader in zip(ranks, readers, strict=True)
-            ],
-        )
-    finally:
-        for rank in ranks:
-            harness._stop_rank(rank)
-        clients.release(leased)
+        instance.save(fill=False)
+        assert instance.audit is not None
+        (outcome,) = instance.audit.history
+        return outcome
 
 
 def _last_bit(rank: int, tensor: torch.Tensor) -> None:
@@ -518,14 +503,16 @@ def _other_values(rank: int, tensor: torch.Tensor) -> None:
         tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(99)).to(tensor.dtype))
 
 
-# Under the pre-fix rule the KDA state group is audited too (the harness registers its pages as raw
+# Under the pre-fix rule the KDA state group is audited too (vLLM registers its pages as raw
 # int8, so its values are compared per byte).
 ROUNDING_CASES = [("mla", "default"), ("kimi-linear", str(PRE_FIX))]
 
 
 @pytest.mark.parametrize("archetype, policy", ROUNDING_CASES)
-def test_replicas_that_differ_only_by_rounding_agree(clients: ClientPool, archetype: str, policy: str) -> None:
-    outcome = _replicated_ranks(clients, archetype, policy, 4, _last_bit)
+def test_replicas_that_differ_only_by_rounding_agree(
+    mooncake_master: MooncakeMaster, clients: ClientPool, archetype: str, policy: str
+) -> None:
+    outcome = _replicated_ranks(mooncake_master, clients, archetype, policy, 4, _last_bit)
     assert outcome.audits and all(
         audit.verdict.value == "agreed" and 0 < audit.distance < 0.02 for audit in outcome.audits
     ), outcome.audits
@@ -534,9 +521,9 @@ def test_replicas_that_differ_only_by_rounding_agree(clients: ClientPool, archet
 
 @pytest.mark.parametrize("archetype, policy", ROUNDING_CASES)
 def test_replicas_with_other_values_disagree_despite_the_tolerance(
-    clients: ClientPool, archetype: str, policy: str
+    mooncake_master: MooncakeMaster, clients: ClientPool, archetype: str, policy: str
 ) -> None:
-    outcome = _replicated_ranks(clients, archetype, policy, 4, _other_values)
+    outcome = _replicated_ranks(mooncake_master, clients, archetype, policy, 4, _other_values)
     assert outcome.audits and outcome.demoted == tuple(audit.group for audit in outcome.audits)
 
 

@@ -6,6 +6,11 @@ The upstream side is the real class. ``object.__new__(MooncakeStoreWorker)`` ski
 ``__init__`` would set and the methods under test read are set by hand, and then the real
 ``_compute_group_tp_replication_factors`` / ``_spec_tp_replication_factor``,
 ``_build_token_databases`` and ``_init_lookup_key_prefixes`` run unchanged. Nothing is mocked.
+
+Why by hand here, and not through :func:`kvpolicy.vllm.standalone.init_standalone` as everywhere
+else: this module compares the override points' arithmetic for *every* spec class vLLM ships, and
+``MooncakeStoreCoordinator`` refuses the classes that have no KV-cache manager (a bare
+``AttentionSpec``, for one), so the groups are set as the coordinator would keep them.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from conftest import NoPublishedDemotions
+from conftest import NoPublishedDemotions, alone, engine_config
 
 try:
     import vllm  # noqa: F401
@@ -56,7 +61,6 @@ from kvpolicy.keys import KeyContext, chunk_key
 from kvpolicy.loader import load_policy
 from kvpolicy.models import Policy, Schedule, Topology
 from kvpolicy.plan import Plan
-from kvpolicy.vllm import audit as online_audit
 from kvpolicy.vllm import store
 from kvpolicy.vllm.layout import layout_from_kv_cache_config
 from kvpolicy.vllm.worker import KVPolicyStoreWorker
@@ -354,7 +358,8 @@ def policy_worker(
     """A real KVPolicyStoreWorker for one rank, built like upstream() plus its own pre-init state."""
     worker = object.__new__(KVPolicyStoreWorker)
     set_upstream_state(worker, case, rank)
-    worker._init_policy_state(policy, model=MODEL, cache_prefix=cache_prefix)
+    config = engine_config(case.tp, extra_config=(("cache_prefix", cache_prefix),) if cache_prefix else ())
+    worker._init_policy_state(policy, config, model=MODEL, is_first_rank=False, gather=alone)
     # Upstream's own selection, through the override, as MooncakeStoreWorker.__init__ calls it.
     _, store_namespace, _ = worker._select_store_layout(extra_config or {})
     run_override_points(worker, metadata_for(case, rank, KeyContext.for_model(MODEL, cache_prefix, store_namespace)))
@@ -445,10 +450,9 @@ def test_policy_worker_override_points_answer_like_upstream_under_compat(case: C
         )
 
 
-def test_policy_worker_exposes_the_plan_it_keyed_with(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_policy_worker_exposes_the_plan_it_keyed_with() -> None:
     # DEFAULT audits the MLA group, so planning reads published demotions (none in the store
-    # set_upstream_state gives) and agrees on them over TP: one rank here.
-    monkeypatch.setattr(online_audit, "gather_over_tp", lambda payload: [payload])
+    # set_upstream_state gives) and agrees on them over TP: one rank alone here.
     case = Case((mla(), full(), mamba()), tp=4, heads=2)
     worker = policy_worker(DEFAULT, case, (1, 0, 0))
     assert worker.plan is not None and worker.token_dbs[0].key_for(HASH) == chunk_key(

@@ -1,7 +1,8 @@
 """Multi-rank byte consistency, on vLLM's real store worker objects and a real Mooncake master.
 
 Each case saves a 256-token prompt from a cold TP instance and loads it into a new warm one
-(:func:`kvpolicy.vllm.harness.run_consistency`); the master's counters measure what was written.
+(:func:`kvpolicy.sim.run_consistency`, every rank a ``KVPolicyStoreWorker``); the master's counters
+measure what was written.
 Runs are memoised per module, so tests that look at the same run from different angles share it.
 """
 
@@ -18,7 +19,8 @@ require("mooncake.store")
 
 from kvpolicy.loader import load_policy  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
-from kvpolicy.vllm.harness import ARCHETYPES, BLOCK_SIZE, ClientPool, HarnessReport, run_consistency  # noqa: E402
+from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
+from kvpolicy.sim import ARCHETYPES, BLOCK_SIZE, ConsistencyReport, run_consistency  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +37,7 @@ POLICIES = {
 }
 HYBRIDS_WITH_STATE = ("kimi-linear", "gqa-mamba")
 
-Run = Callable[..., HarnessReport]
+Run = Callable[..., ConsistencyReport]
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +50,9 @@ def clients(mooncake_master: MooncakeMaster) -> Iterator[ClientPool]:
 @pytest.fixture(scope="module")
 def run(mooncake_master: MooncakeMaster, clients: ClientPool) -> Run:
     policies = {name: load_policy(source) for name, source in POLICIES.items()}
-    reports: dict[tuple[str, str, int, bool], HarnessReport] = {}
+    reports: dict[tuple[str, str, int, bool], ConsistencyReport] = {}
 
-    def run(policy: str, archetype: str, tp_size: int, *, save: bool = True) -> HarnessReport:
+    def run(policy: str, archetype: str, tp_size: int, *, save: bool = True) -> ConsistencyReport:
         key = (policy, archetype, tp_size, save)
         if key not in reports:
             reports[key] = run_consistency(
@@ -62,7 +64,7 @@ def run(mooncake_master: MooncakeMaster, clients: ClientPool) -> Run:
     return run
 
 
-def describe(report: HarnessReport) -> str:
+def describe(report: ConsistencyReport) -> str:
     return "\n".join(
         f"  group {g.index} {g.name}: factor {g.factor}, true factor {g.true_factor}, "
         f"mismatched ranks {list(g.mismatched_ranks)}, {g.blocks_checked} blocks checked"
@@ -70,7 +72,7 @@ def describe(report: HarnessReport) -> str:
     )
 
 
-def checkpoint_writer(report: HarnessReport, group: int) -> int:
+def checkpoint_writer(report: ConsistencyReport, group: int) -> int:
     """The rank that wrote the state the warm instance loads: the striped schedule gives chunk ``i``
     of group ``g`` to the rank whose phase ``(rank + g) % factor`` is ``i % factor``."""
     factor = report.groups[group].factor

@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvpolicy.models import Layout
+from kvpolicy.models import Layout, thawed
 from kvpolicy.vllm.layout import layout_from_kv_cache_config, spec_document
 
 BLOCK = 16
@@ -113,7 +113,7 @@ def test_repeated_group_names_get_their_index() -> None:
 
 
 def test_fields_are_converted_to_yaml_values() -> None:
-    fields = spec_document(mamba()).fields
+    fields = thawed(spec_document(mamba()).fields)
     assert (fields["shapes"], fields["dtypes"], fields["tp_replicated"], fields["page_size_padded"]) == (
         [[3, 256], [8, 64, 16]],
         ["bfloat16", "float32"],

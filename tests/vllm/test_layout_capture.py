@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import require
+from conftest import NoPublishedDemotions, alone, engine_config, require
 
 require("vllm")
+require("mooncake.store")
 
 import torch
 from vllm.v1.kv_cache_interface import (
@@ -26,15 +27,16 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvpolicy.cli import main as cli_main
+from kvpolicy.app.cli import main as cli_main
 from kvpolicy.diagnostics import PlanError
 from kvpolicy.dumper import dump_layout
 from kvpolicy.engine import make_plan
 from kvpolicy.keys import model_basename
 from kvpolicy.loader import check_file, load_policy, schemas_dir, shipped_policy_names
-from kvpolicy.models import Layout, Topology
+from kvpolicy.models import Layout, Topology, thawed
 from kvpolicy.plan import Plan
 from kvpolicy.vllm.layout import layout_from_kv_cache_config
+from kvpolicy.vllm.standalone import Ranks
 from kvpolicy.vllm.worker import LAYOUT_OUT_KEY, KVPolicyStoreWorker
 
 BLOCK = 16
@@ -194,7 +196,8 @@ def test_consecutive_captured_layer_names_are_written_as_a_range(tmp_path: Path)
 
 def test_mappings_in_a_plugin_field_read_back_with_string_keys(tmp_path: Path) -> None:
     original, document = reloaded("plugin-spec", tmp_path)
-    assert document.groups[0].spec.fields["buckets"] == original.groups[0].spec.fields["buckets"] == [
+    buckets = [thawed(layout.groups[0].spec.fields["buckets"]) for layout in (document, original)]
+    assert buckets[0] == buckets[1] == [
         {"1": "short", "8": "long"}
     ]
 
@@ -233,21 +236,20 @@ def test_kvpolicy_plan_reads_a_captured_layout(name: str, tmp_path: Path, capsys
 
 
 def planned_worker(name: str, *, tp_size: int = 2, layout_out: Path | None = None) -> KVPolicyStoreWorker:
-    """A real KVPolicyStoreWorker without upstream's __init__ (which mounts a Mooncake segment):
-    the attributes that __init__ sets before the override points run, then the real planning.
-    ``vllm-compat`` audits nothing, so planning reads no store."""
+    """Rank 0's KVPolicyStoreWorker through its standalone construction (upstream's ``__init__`` would
+    mount a Mooncake segment). ``vllm-compat`` audits nothing, so planning reads no store."""
     config, heads = MODELS[name]
-    worker = object.__new__(KVPolicyStoreWorker)
-    worker._init_policy_state(POLICIES["vllm-compat"], model=MODEL, cache_prefix="", layout_out=layout_out)
-    worker.tp_rank, worker.tp_size = 0, tp_size
-    worker.pcp_rank, worker.pcp_size = 0, 1
-    worker.dcp_rank, worker.dcp_size = 0, 1
-    worker.pp_rank, worker.pp_size = 0, 1
-    worker.num_kv_head = heads
-    worker._kv_cache_config = config
-    worker._kv_cache_groups = list(config.prefix_cacheable_groups)
-    worker._plan = worker._make_plan()
-    return worker
+    extra = ((LAYOUT_OUT_KEY, str(layout_out)),) if layout_out else ()
+    return KVPolicyStoreWorker.standalone(
+        engine_config(tp_size, extra_config=extra),
+        config,
+        policy=POLICIES["vllm-compat"],
+        ranks=Ranks(tp_rank=0, tp_size=tp_size),
+        store=NoPublishedDemotions(),
+        model=MODEL,
+        total_num_kv_heads=heads,
+        gather=alone,
+    )
 
 
 def test_worker_writes_the_layout_it_planned(tmp_path: Path) -> None:

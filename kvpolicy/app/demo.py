@@ -1,7 +1,7 @@
 """``kvpolicy demo``: everything end to end on one machine, with an embedded Mooncake master on loopback.
 
 1. start a master on 127.0.0.1; 2. validate the shipped policies and example layouts; 3. print the
-plan of a hybrid model (Kimi-Linear: MLA + KDA state); 4. run the multi-rank harness for a hybrid
+plan of a hybrid model (Kimi-Linear: MLA + KDA state); 4. run the multi-rank simulation (the production worker) for a hybrid
 instance under ``default``, ``no-dedup`` and the pre-fix rule, through real Mooncake; 5. where vLLM
 runs, serve a tiny hybrid (Qwen3-Next: Gated DeltaNet state next to attention) at TP=2, cold then
 warm, through ``KVPolicyConnector`` under ``default`` (warm equals cold) and the pre-fix rule (warm
@@ -10,12 +10,10 @@ loads another rank's state and differs). Stops everything it started.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from kvpolicy.engine import make_plan
@@ -26,7 +24,7 @@ from kvpolicy.report import format_plan_table
 
 HYBRID_LAYOUT = "kimi-linear-48b-a3b"
 HYBRID_ARCHETYPE = "kimi-linear"
-PRE_FIX_POLICY = Path(__file__).resolve().parent.parent / "examples" / "policies" / "pre-fix-single-factor.yaml"
+PRE_FIX_POLICY = Path(__file__).resolve().parents[2] / "examples" / "policies" / "pre-fix-single-factor.yaml"
 
 
 def _say(message: str = "") -> None:
@@ -38,24 +36,9 @@ def _step(number: int, title: str) -> None:
     _say(f"[{number}/5] {title}")
 
 
-@contextlib.contextmanager
-def _stderr_to(path: Path) -> Iterator[None]:
-    """Send file descriptor 2 to ``path``: Mooncake's C++ logging writes there directly, per client."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with path.open("ab") as log:
-        os.dup2(log.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
 def _pre_fix_path() -> Path:
     """The pre-fix example policy: packaged with a wheel install, else in the checkout."""
-    packaged = Path(__file__).resolve().parent / "examples_policies" / "pre-fix-single-factor.yaml"
+    packaged = Path(__file__).resolve().parents[1] / "examples_policies" / "pre-fix-single-factor.yaml"
     return packaged if packaged.is_file() else PRE_FIX_POLICY
 
 
@@ -65,7 +48,9 @@ def _pre_fix_policy() -> Policy:
 
 def run_demo(*, tp_size: int = 4, with_engine: bool = True) -> int:
     started = time.monotonic()
-    from kvpolicy.vllm.harness import ClientPool, run_consistency
+    from kvpolicy.mooncake.native_log import native_stderr_to
+    from kvpolicy.mooncake.pool import ClientPool
+    from kvpolicy.sim import run_consistency
 
     verdicts: list[bool] = []
     _step(1, "starting an embedded Mooncake master on 127.0.0.1")
@@ -89,11 +74,11 @@ def run_demo(*, tp_size: int = 4, with_engine: bool = True) -> int:
         hybrid = make_plan(load_policy("default"), load_layout(HYBRID_LAYOUT), Topology(tp_size=tp_size))
         _say("  " + format_plan_table(hybrid).replace("\n", "\n  "))
 
-        _step(4, f"multi-rank harness: hybrid MLA + KDA instance, tp={tp_size}, through real Mooncake")
+        _step(4, f"multi-rank simulation on the production worker: hybrid MLA + KDA instance, tp={tp_size}, through real Mooncake")
         rows = []
         native_log = Path(tempfile.gettempdir()) / f"kvpolicy-demo-{os.getpid()}.log"
         _say(f"  (Mooncake's and vLLM's own log lines go to {native_log})")
-        with _stderr_to(native_log), ClientPool(master) as clients:  # closed before the master stops: a client outliving it blocks
+        with native_stderr_to(native_log), ClientPool(master) as clients:  # closed before the master stops: a client outliving it blocks
             for label, policy, expect_consistent, audit in (
                 ("default", load_policy("default"), True, None),
                 ("no-dedup", load_policy("no-dedup"), True, None),
@@ -138,7 +123,7 @@ def run_demo(*, tp_size: int = 4, with_engine: bool = True) -> int:
 
 
 def _audit_line(group: object) -> str:
-    """One line on what the replication audit concluded for a harness group."""
+    """One line on what the replication audit concluded for a simulated group."""
     status = group.audit  # type: ignore[attr-defined]
     factor = group.declared_factor  # type: ignore[attr-defined]
     if status == "agreed":
@@ -162,20 +147,19 @@ def _engine_policies() -> tuple[tuple[str, str, bool], ...]:
 
 def _engine_run(master: MooncakeMaster) -> bool:
     try:
-        from kvpolicy.mooncake.testing import small_client_config
         from kvpolicy.vllm.e2e import EngineFailed, SegmentHolder, engine_store_config, fixed_prompt, serve_once
         from kvpolicy.vllm.tinymodel import ARCHITECTURES, make_tiny_model
-    except ImportError as error:  # vLLM is optional for the demo; the harness above already ran
+    except ImportError as error:  # vLLM is optional for the demo; the simulation above already ran
         _say(f"  skipped: vLLM is not importable here ({error})")
         return True
     log = Path(tempfile.gettempdir()) / f"kvpolicy-demo-{os.getpid()}.log"
     with tempfile.TemporaryDirectory(prefix="kvpolicy-demo-") as workdir:
-        store_config = engine_store_config(small_client_config(master), Path(workdir) / "mooncake.json")
+        store_config = engine_store_config(master.client_config(), Path(workdir) / "mooncake.json")
         # Engines mount no segment of their own (so the warm one can read what the cold one wrote after
         # it exited); this process holds the store's memory.
         with SegmentHolder(master.rpc_address):
             entry = ARCHITECTURES[HYBRID_ARCHITECTURE]
-            with _stderr_to(log):  # progress bars
+            with native_stderr_to(log):  # progress bars
                 model = make_tiny_model(HYBRID_ARCHITECTURE, Path(workdir) / f"tiny-{entry.name}", num_kv_heads=1)
             # Two full 96-token blocks (vLLM's hybrid block for this model) and one token to compute.
             prompt = fixed_prompt(193)
@@ -186,7 +170,7 @@ def _engine_run(master: MooncakeMaster) -> bool:
             except EngineFailed as error:
                 reason = next((line for line in reversed(error.stderr.splitlines()) if "Error" in line), "see the log")
                 _say(f"  this machine cannot serve the hybrid at TP=2 ({reason.strip()[:200]}); serving the dense model")
-            with _stderr_to(log):
+            with native_stderr_to(log):
                 dense = make_tiny_model("llama", Path(workdir) / "tiny-llama", num_kv_heads=2)
             return _cold_and_warm(
                 serve_once, dense, fixed_prompt(), store_config, master, tp_size=1, dtype="float32", hybrid=False

@@ -15,7 +15,7 @@ from pathlib import Path
 from kvpolicy import schema
 from kvpolicy.diagnostics import Diagnostic, DocumentError, PlanError
 from kvpolicy.engine import make_plan
-from kvpolicy.loader import _bundled_dir, check_file, load_layout, load_policy, shipped_policy_names
+from kvpolicy.loader import check_file, load_layout, load_policy, schemas_dir, shipped_policy_names
 from kvpolicy.models import Policy, Topology
 from kvpolicy.report import format_explanation, format_plan_table, format_traffic, plan_to_json, traffic_to_json
 from kvpolicy.traffic import prompt_traffic
@@ -54,7 +54,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
-    directory = Path(args.dir) if args.dir else _bundled_dir("schemas")
+    directory = Path(args.dir) if args.dir else schemas_dir()
     if args.check:
         stale = schema.stale_files(directory)
         for path in stale:
@@ -130,38 +130,9 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvpolicy.demo import run_demo  # imports vLLM and Mooncake; keep them out of the other commands
+    from kvpolicy.app.demo import run_demo  # imports vLLM and Mooncake; keep them out of the other commands
 
     return run_demo(tp_size=args.tp, with_engine=not args.no_engine)
-
-
-def _physical_true_factors(layout: object) -> dict[str, object]:
-    """Per group of a layout, tp_size → TP ranks that really hold identical bytes (the brief's table):
-    stated from what the model computes, independently of any policy, so the offline audit can judge
-    one. An MLA latent is whole on every rank; Mamba / linear-attention state is split by heads
-    unless vLLM marks it ``tp_replicated``; GQA heads repeat on ``tp // heads`` consecutive ranks."""
-    import math
-
-    def member_factor(spec: object, heads: int):  # noqa: ANN202
-        classes, fields = spec.classes, spec.fields  # type: ignore[attr-defined]
-
-        def factor(tp_size: int) -> int:
-            if "MambaSpec" in classes:
-                return tp_size if fields.get("tp_replicated") else 1
-            if "MLAAttentionSpec" in classes or "SlidingWindowMLASpec" in classes:
-                return tp_size
-            return max(1, tp_size // heads)
-
-        return factor
-
-    truth: dict[str, object] = {}
-    for index, group in enumerate(layout.groups):  # type: ignore[attr-defined]
-        heads = layout.total_num_kv_heads  # type: ignore[attr-defined]
-        members = [member_factor(member.spec, heads) for member in group.members]
-        truth[group.name or f"group-{index}"] = lambda tp_size, members=members: math.gcd(
-            *(member(tp_size) for member in members)
-        )
-    return truth
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -173,21 +144,26 @@ def _audit(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout; keep the report readable
     policy = load_policy(args.policy)
     from kvpolicy.audit import ReplicationAuditError
-    from kvpolicy.demo import _stderr_to
     from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.vllm.harness import ClientPool, archetype_from_layout, run_consistency
+    from kvpolicy.mooncake.native_log import native_stderr_to
+    from kvpolicy.mooncake.pool import ClientPool
+    from kvpolicy.sim import archetype_from_layout, run_consistency
 
     if args.layout is not None:
         layout = load_layout(args.layout)
         target = f"layout {Path(args.layout).stem}"
-        archetype = archetype_from_layout(
-            layout, _physical_true_factors(layout), layers_per_group=2, name=f"audit-{Path(args.layout).stem}"
-        )
+        archetype = archetype_from_layout(layout, layers_per_group=2, name=f"audit-{Path(args.layout).stem}")
     else:
+        from kvpolicy.sim import ARCHETYPES
+
+        if args.archetype not in ARCHETYPES:
+            print(f"kvpolicy audit: error: unknown archetype {args.archetype!r}; known: {', '.join(ARCHETYPES)}",
+                  file=sys.stderr)
+            return 2
         archetype, target = args.archetype, f"archetype {args.archetype}"
     native_log = Path(tempfile.gettempdir()) / f"kvpolicy-audit-{os.getpid()}.log"
     try:
-        with _stderr_to(native_log), MooncakeMaster() as master, ClientPool(master) as clients:
+        with native_stderr_to(native_log), MooncakeMaster() as master, ClientPool(master) as clients:
             report = run_consistency(
                 policy, archetype, args.tp, master=master, clients=clients, num_tokens=args.tokens, audit=True
             )
@@ -297,14 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     audit.add_argument("--policy", required=True, help="a shipped policy's name or a path")
     target = audit.add_mutually_exclusive_group(required=True)
-    target.add_argument("--archetype", help="a harness archetype (kimi-linear, mla, gqa-mamba, ...)")
+    target.add_argument("--archetype", help="a simulated archetype (kimi-linear, gqa-gdn, gqa-mamba, mla, ...)")
     target.add_argument("--layout", help="an example layout's name or a path")
     audit.add_argument("--tp", type=int, required=True)
     audit.add_argument("--tokens", type=int, default=256, help="prompt length")
     audit.add_argument("--format", choices=("text", "json"), default="text")
     audit.set_defaults(run=_audit)
 
-    demo = commands.add_parser("demo", help="embedded Mooncake master, multi-rank harness, vLLM cold/warm run")
+    demo = commands.add_parser("demo", help="embedded Mooncake master, multi-rank simulation, vLLM cold/warm run")
     demo.add_argument("--tp", type=int, default=4, help="TP size of the simulated hybrid instance")
     demo.add_argument("--no-engine", action="store_true", help="skip the vLLM engine run")
     demo.set_defaults(run=_demo)

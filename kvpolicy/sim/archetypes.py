@@ -1,0 +1,338 @@
+"""Model shapes the simulation can run, and which TP ranks really hold identical bytes for them.
+
+An :class:`Archetype` is a model's KV-cache layers as vLLM's own spec objects (``MLAAttentionSpec``,
+``MambaSpec`` …), per TP size. :func:`physical_factor` is the ground truth the simulation judges a
+policy against: how many consecutive TP ranks hold byte-identical bytes for a layer, stated from
+what the model computes and never from a policy. It is the one place that knowledge lives outside
+the YAML policies; the offline audit, the benchmarks and the tests read it from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+from vllm.v1 import kv_cache_interface
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+from kvpolicy.models import Layout
+
+__all__ = [
+    "HYBRIDS",
+    "ARCHETYPES",
+    "BLOCK_SIZE",
+    "Archetype",
+    "archetype_from_layout",
+    "get_archetype",
+    "physical_factor",
+]
+
+BLOCK_SIZE = 16
+"""Tokens per KV block in every archetype."""
+
+SpecBuilder = Callable[[int], KVCacheSpec]
+"""tp_size → the spec one TP rank's layer reports (``Attention.get_kv_cache_spec`` etc.)."""
+
+
+def physical_factor(classes: Collection[str], fields: Mapping[str, Any], total_num_kv_heads: int, tp_size: int) -> int:
+    """Consecutive TP ranks holding byte-identical bytes for a layer whose spec has these class
+    names (the class and its bases) and fields, in a model with ``total_num_kv_heads``.
+
+    An MLA latent has no head dimension, so it is whole on every rank; Mamba and linear-attention
+    state is split by heads, distinct on every rank, unless vLLM marks it ``tp_replicated``; GQA
+    heads repeat on ``tp // heads`` consecutive ranks once TP exceeds them (``QKVParallelLinear``).
+    """
+    if "MambaSpec" in classes:
+        return tp_size if fields.get("tp_replicated") else 1
+    if "MLAAttentionSpec" in classes or "SlidingWindowMLASpec" in classes:
+        return tp_size
+    return max(1, tp_size // max(1, total_num_kv_heads))
+
+
+def spec_physical_factor(spec: KVCacheSpec, total_num_kv_heads: int, tp_size: int) -> int:
+    """:func:`physical_factor` of a vLLM spec object."""
+    classes = [cls.__name__ for cls in type(spec).__mro__]
+    fields = {field.name: getattr(spec, field.name) for field in dataclasses.fields(spec)}
+    return physical_factor(classes, fields, total_num_kv_heads, tp_size)
+
+
+@dataclass(frozen=True)
+class Archetype:
+    """A model's KV-cache layers, buildable at any TP size as vLLM spec objects."""
+
+    name: str
+    description: str
+    total_num_kv_heads: int | Callable[[int], int]
+    """The model's KV heads (``get_total_num_kv_heads``), or tp_size → heads for a family of models."""
+    layers: tuple[tuple[str, str], ...]
+    """(layer name, kind) in model order."""
+    kinds: Mapping[str, SpecBuilder]
+    """kind → how a rank's spec for such a layer is built."""
+
+    def kv_heads(self, tp_size: int) -> int:
+        heads = self.total_num_kv_heads
+        return heads(tp_size) if callable(heads) else heads
+
+    def specs(self, tp_size: int) -> dict[str, KVCacheSpec]:
+        """Layer name → one TP rank's spec, in model order."""
+        return {layer: self.kinds[kind](tp_size) for layer, kind in self.layers}
+
+    def true_factors(self, tp_size: int) -> dict[str, int]:
+        """Layer name → :func:`physical_factor` at ``tp_size``."""
+        heads = self.kv_heads(tp_size)
+        return {layer: spec_physical_factor(spec, heads, tp_size) for layer, spec in self.specs(tp_size).items()}
+
+    @property
+    def distinct_kinds(self) -> int:
+        return len({kind for _, kind in self.layers})
+
+
+_BF16 = torch.bfloat16
+
+
+def _gqa(total_heads: Callable[[int], int], *, head_size: int = 64, sliding_window: int | None = None) -> SpecBuilder:
+    def build(tp_size: int) -> KVCacheSpec:
+        # vLLM replicates KV heads when TP exceeds them (QKVParallelLinear).
+        heads = max(1, total_heads(tp_size) // tp_size)
+        if sliding_window is not None:
+            return SlidingWindowSpec(
+                block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=head_size, dtype=_BF16, sliding_window=sliding_window
+            )
+        return FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=head_size, dtype=_BF16)
+
+    return build
+
+
+def _mla(kv_lora_rank: int = 64, rope_dim: int = 32) -> SpecBuilder:
+    # DeepSeek/Kimi MLA: one latent "head" of kv_lora_rank + rope dims, identical on every rank.
+    return lambda tp_size: MLAAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=kv_lora_rank + rope_dim, dtype=_BF16
+    )
+
+
+def _kda(num_heads: int = 4, head_dim: int = 16, conv_kernel: int = 4) -> SpecBuilder:
+    # Kimi Delta Attention state, shaped like KimiGatedDeltaNetAttention.get_kv_cache_spec.
+    return lambda tp_size: MambaSpec(
+        block_size=BLOCK_SIZE,
+        shapes=MambaStateShapeCalculator.kda_state_shape(tp_size, num_heads, head_dim, conv_kernel_size=conv_kernel),
+        dtypes=MambaStateDtypeCalculator.kda_state_dtype(_BF16, "auto"),
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode="align",
+    )
+
+
+def _gdn(num_k_heads: int = 4, num_v_heads: int = 8, head_dim: int = 16, conv_kernel: int = 4) -> SpecBuilder:
+    # Qwen3-Next Gated DeltaNet state, shaped like GatedDeltaNetAttention.get_kv_cache_spec.
+    return lambda tp_size: MambaSpec(
+        block_size=BLOCK_SIZE,
+        shapes=MambaStateShapeCalculator.gated_delta_net_state_shape(
+            tp_size, num_k_heads, num_v_heads, head_dim, head_dim, conv_kernel
+        ),
+        dtypes=MambaStateDtypeCalculator.gated_delta_net_state_dtype(_BF16, "auto"),
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode="align",
+    )
+
+
+def _mamba2(
+    intermediate: int = 128, n_groups: int = 2, num_heads: int = 4, head_dim: int = 32, state: int = 16
+) -> SpecBuilder:
+    # Mamba2 SSM + conv state, shaped like MambaMixer2.get_kv_cache_spec.
+    return lambda tp_size: MambaSpec(
+        block_size=BLOCK_SIZE,
+        shapes=MambaStateShapeCalculator.mamba2_state_shape(tp_size, intermediate, n_groups, num_heads, head_dim, state, 4),
+        dtypes=MambaStateDtypeCalculator.mamba2_state_dtype(_BF16, "auto", "auto"),
+        mamba_type=MambaAttentionBackendEnum.MAMBA2,
+        mamba_cache_mode="align",
+    )
+
+
+def _attn(index: int) -> str:
+    return f"model.layers.{index}.self_attn.attn"
+
+
+def _mixer(index: int) -> str:
+    return f"model.layers.{index}.mixer"
+
+
+def _half_tp(tp_size: int) -> int:
+    return max(1, tp_size // 2)
+
+
+def _registry(*archetypes: Archetype) -> Mapping[str, Archetype]:
+    return MappingProxyType({archetype.name: archetype for archetype in archetypes})
+
+
+ARCHETYPES: Mapping[str, Archetype] = _registry(
+    Archetype(
+        "gqa-kv-lt-tp",
+        "GQA with fewer KV heads than TP ranks (tp // 2 heads): pairs of ranks repeat a head",
+        _half_tp,
+        tuple((_attn(i), "attn") for i in range(2)),
+        MappingProxyType({"attn": _gqa(_half_tp)}),
+    ),
+    Archetype(
+        "mla",
+        "DeepSeek-style MLA: the latent cache is whole on every rank",
+        1,
+        tuple((_attn(i), "mla") for i in range(2)),
+        MappingProxyType({"mla": _mla()}),
+    ),
+    Archetype(
+        "kimi-linear",
+        "Kimi-Linear: MLA attention plus head-sharded KDA (linear-attention) state",
+        1,
+        ((_mixer(0), "kda"), (_attn(1), "mla"), (_mixer(2), "kda"), (_attn(3), "mla")),
+        MappingProxyType({"mla": _mla(), "kda": _kda()}),
+    ),
+    Archetype(
+        "gqa-gdn",
+        "Qwen3-Next-style hybrid: 2-KV-head attention plus head-sharded Gated DeltaNet state",
+        2,
+        ((_mixer(0), "gdn"), (_mixer(1), "gdn"), (_mixer(2), "gdn"), (_attn(3), "attn")),
+        MappingProxyType({"attn": _gqa(lambda tp_size: 2), "gdn": _gdn()}),
+    ),
+    Archetype(
+        "gqa-mamba",
+        "hybrid of single-KV-head attention (replicated over TP) and head-sharded Mamba2 state",
+        1,
+        ((_mixer(0), "mamba"), (_attn(1), "attn"), (_mixer(2), "mamba"), (_attn(3), "attn")),
+        MappingProxyType({"attn": _gqa(lambda tp_size: 1), "mamba": _mamba2()}),
+    ),
+    Archetype(
+        "sliding-window-full",
+        "interleaved full and sliding-window (32 tokens) GQA layers with 2 KV heads",
+        2,
+        ((_attn(0), "full"), (_attn(1), "swa"), (_attn(2), "full"), (_attn(3), "swa")),
+        MappingProxyType({"full": _gqa(lambda tp_size: 2), "swa": _gqa(lambda tp_size: 2, sliding_window=32)}),
+    ),
+    Archetype(
+        "uniform-mla-full",
+        "MLA and 2-KV-head full-attention layers packed into one UniformTypeKVCacheSpecs group",
+        2,
+        ((_attn(0), "mla"), (_attn(1), "full"), (_attn(2), "mla"), (_attn(3), "full")),
+        MappingProxyType({"mla": _mla(), "full": _gqa(lambda tp_size: 2)}),
+    ),
+)
+"""The built-in archetypes, by name."""
+
+HYBRIDS: tuple[str, ...] = ("kimi-linear", "gqa-gdn", "gqa-mamba")
+"""Archetypes with TP-sharded recurrent state beside replicated attention: MLA+KDA, GQA+GDN, GQA+Mamba2."""
+
+
+def get_archetype(archetype: str | Archetype) -> Archetype:
+    """The built-in archetype of that name (or ``archetype`` itself); a clear error for an unknown name."""
+    if isinstance(archetype, Archetype):
+        return archetype
+    try:
+        return ARCHETYPES[archetype]
+    except KeyError:
+        raise ValueError(f"unknown archetype {archetype!r}; known: {', '.join(ARCHETYPES)}") from None
+
+
+# --- archetypes from layout documents ------------------------------------------------------------
+
+_MAMBA_DIM = 4
+"""Largest state dimension a layout's Mamba spec keeps in :func:`archetype_from_layout`."""
+
+
+def _spec_value(value: Any, default: Any) -> Any:
+    """A layout field value (YAML: scalars, lists) as the spec dataclass wants it."""
+    if isinstance(default, Enum):
+        return type(default)(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_spec_value(item, None) for item in value)
+    if isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype):
+        return getattr(torch, value)
+    return value
+
+
+def _scaled_spec(spec: Any, *, head_size: int, num_kv_heads: int) -> KVCacheSpec:
+    """A per-rank spec of the layout's class, from its fields, at a scaled-down size."""
+    cls = getattr(kv_cache_interface, spec.type, None)
+    if not (isinstance(cls, type) and issubclass(cls, KVCacheSpec)):
+        raise ValueError(f"{spec.type} is not a spec class of vllm.v1.kv_cache_interface")
+    init = {field.name: field for field in dataclasses.fields(cls) if field.init}
+    kwargs: dict[str, Any] = {}
+    for name, value in spec.fields.items():
+        if name in init:
+            default = init[name].default
+            kwargs[name] = _spec_value(value, None if default is dataclasses.MISSING else default)
+    # Scaled down, by field rather than by class: the store moves bytes without reading them, so only
+    # the class and the fields the policies read matter; vLLM pads the pages to one size when grouping.
+    kwargs["block_size"] = BLOCK_SIZE
+    kwargs.pop("page_size_padded", None)
+    if "num_kv_heads" in kwargs:
+        kwargs["num_kv_heads"] = num_kv_heads
+    if "head_size" in kwargs:
+        kwargs["head_size"] = head_size
+    if kwargs.get("head_size_v"):
+        kwargs["head_size_v"] = head_size
+    if "shapes" in kwargs:
+        kwargs["shapes"] = tuple(tuple(min(dim, _MAMBA_DIM) for dim in shape) for shape in kwargs["shapes"])
+    return cls(**kwargs)
+
+
+def _layer_order(name: str) -> tuple[Any, ...]:
+    # Model order: "model.layers.10" after "model.layers.9".
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def archetype_from_layout(
+    layout: Layout,
+    *,
+    name: str | None = None,
+    layers_per_group: int | None = None,
+    head_size: int = 32,
+    num_kv_heads: int = 1,
+) -> Archetype:
+    """A kvpolicy ``Layout`` as an archetype, scaled down.
+
+    Each layer gets the layout's spec class, looked up by name in ``vllm.v1.kv_cache_interface``,
+    built from the layout's fields: block size :data:`BLOCK_SIZE`, attention ``num_kv_heads`` and
+    ``head_size`` (and a non-zero ``head_size_v``) as given here, Mamba state dimensions cut to 4, no
+    page padding (vLLM's grouping pads pages to one size, as for the real model). Layers go in model
+    order, so vLLM's ``get_kv_cache_groups`` regroups them itself; ``layers_per_group`` keeps only
+    the first layers of each group (of each entry of a uniform group). The ground truth stays the
+    full model's: :func:`physical_factor` with the layout's ``total_num_kv_heads``.
+
+    vLLM pads a smaller page only for Mamba and non-MLA attention, so next to Mamba state an MLA page
+    must stay the larger: ``head_size`` >= 16 does.
+    """
+    kinds: dict[str, SpecBuilder] = {}
+    layers: list[tuple[str, str]] = []
+    for index, group in enumerate(layout.groups):
+        group_name = group.name or f"group-{index}"
+        for member_index, member in enumerate(group.members):
+            kind = group_name if len(group.members) == 1 else f"{group_name}#{member_index}"
+            built = _scaled_spec(member.spec, head_size=head_size, num_kv_heads=num_kv_heads)
+            kinds[kind] = lambda tp_size, built=built: built
+            kept = member.layers if layers_per_group is None else member.layers[:layers_per_group]
+            layers.extend((layer, kind) for layer in kept)
+    return Archetype(
+        name or f"layout-{layout.model.rstrip('/').split('/')[-1].lower()}",
+        layout.description or layout.model,
+        layout.total_num_kv_heads,
+        tuple(sorted(layers, key=lambda entry: _layer_order(entry[0]))),
+        MappingProxyType(kinds),
+    )
+
+
+def group_true_factor(layer_factors: Mapping[str, int], layer_names: Collection[str]) -> int:
+    """A group's physical factor: the gcd of its layers' (a uniform group mixes kinds)."""
+    return math.gcd(*(layer_factors[layer] for layer in layer_names))

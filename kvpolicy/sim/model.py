@@ -1,0 +1,101 @@
+"""An archetype at one TP size as vLLM's own config objects: what a model runner hands the connector."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, VllmConfig
+from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+from vllm.v1.core.kv_cache_utils import (
+    get_kv_cache_config_from_groups,
+    get_kv_cache_groups,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from kvpolicy.models import Layout
+from kvpolicy.sim.archetypes import BLOCK_SIZE, Archetype, get_archetype, group_true_factor
+from kvpolicy.vllm.layout import layout_from_kv_cache_config
+
+__all__ = ["SimulatedModel", "build_model"]
+
+
+@dataclass(frozen=True)
+class SimulatedModel:
+    """An archetype at one TP size: vLLM's config objects for it, and its ground truth."""
+
+    archetype: Archetype
+    name: str
+    """The model name keys carry (its basename, as vLLM's ``KeyMetadata.model_name``)."""
+    tp_size: int
+    vllm_config: VllmConfig
+    kv_cache_config: KVCacheConfig
+    block_size: int
+    """Scheduler block size (lcm of the groups')."""
+    hash_block_size: int
+    layer_true_factors: Mapping[str, int]
+    """Layer → TP ranks holding identical bytes for it (:func:`~kvpolicy.sim.archetypes.physical_factor`)."""
+
+    @property
+    def total_num_kv_heads(self) -> int:
+        return self.archetype.kv_heads(self.tp_size)
+
+    @property
+    def true_factors(self) -> tuple[int, ...]:
+        """Per prefix-cacheable group: the gcd of its layers' true factors."""
+        return tuple(
+            group_true_factor(self.layer_true_factors, group.layer_names)
+            for group in self.kv_cache_config.prefix_cacheable_groups
+        )
+
+    @property
+    def layout(self) -> Layout:
+        """The kvpolicy layout of this model's ``KVCacheConfig``, as the connector derives it."""
+        return layout_from_kv_cache_config(
+            self.kv_cache_config, model=self.name, total_num_kv_heads=self.total_num_kv_heads
+        )
+
+
+def build_model(
+    archetype: str | Archetype,
+    tp_size: int,
+    *,
+    model_name: str,
+    blocks_needed: int,
+    extra_config: Mapping[str, object] = MappingProxyType({}),
+) -> SimulatedModel:
+    """vLLM's ``KVCacheConfig`` for ``archetype`` at ``tp_size``: layers grouped by vLLM's
+    ``get_kv_cache_groups`` and sized by ``get_kv_cache_config_from_groups`` for ``blocks_needed``
+    blocks, with prefix caching and Mamba ``align`` mode on, as a hybrid engine runs.
+    ``extra_config`` is the ``kv_connector_extra_config`` the workers read."""
+    shape = get_archetype(archetype)
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be positive, got {tp_size}")
+    vllm_config = VllmConfig(
+        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True, mamba_cache_mode="align"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="MooncakeStoreConnector", kv_role="kv_both", kv_connector_extra_config=dict(extra_config)
+        ),
+    )
+    specs = shape.specs(tp_size)
+    # The engine core resolves one layout from what the attention backends support; there are no
+    # backends here, so vLLM's default preference (what undeclared backends get).
+    resolve_kv_cache_layout(vllm_config, [[layout.name for layout in get_supported_kv_cache_layouts(())]], specs.values())
+    groups = get_kv_cache_groups(vllm_config, dict(specs))
+    bytes_per_block = sum(spec.page_size_bytes for spec in specs.values())
+    kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, blocks_needed * bytes_per_block)
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    return SimulatedModel(
+        archetype=shape,
+        name=model_name,
+        tp_size=tp_size,
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+        layer_true_factors=MappingProxyType(shape.true_factors(tp_size)),
+    )
