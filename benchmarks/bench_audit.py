@@ -56,7 +56,6 @@ def _audit_off_policy(directory: Path) -> Path:
 
 def engine_part(args: argparse.Namespace) -> None:
     from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.mooncake.testing import small_client_config
     from kvpolicy.vllm.e2e import SegmentHolder, engine_store_config, fixed_prompt, serve_once
     from kvpolicy.vllm.tinymodel import make_tiny_llama
 
@@ -67,7 +66,7 @@ def engine_part(args: argparse.Namespace) -> None:
     ) as master:
         root = Path(scratch)
         policies = {"on": REPO / "policies" / "default.yaml", "off": _audit_off_policy(root)}
-        config = engine_store_config(small_client_config(master, segment_mib=256), root / "engine.json")
+        config = engine_store_config(master.client_config(segment_mib=256), root / "engine.json")
         with SegmentHolder(master.rpc_address, segment_mib=256):
             for tp_size in args.tp:
                 for repeat in range(args.repeat):

@@ -1,30 +1,41 @@
 """Data path: store and load throughput through the connector vs raw Mooncake batch calls of the same bytes.
 
-Three paths, same master, same run, alternating (the order rotates every repetition):
+Four paths, same master, same run, alternating (the order rotates every repetition):
 
-* **kvpolicy** — ``tp`` simulated ranks of one vLLM instance, each a ``MooncakeStoreWorker`` whose token
-  databases, put schedule and lookup prefixes come from a kvpolicy plan (built by the multi-rank harness
-  as ``KVPolicyStoreWorker`` builds them), one Mooncake client per rank. A *store* is one store job per
-  rank through vLLM's ``KVCacheStoreSendingThread`` (keys, put striping, ``batch_is_exist``,
-  ``batch_put_from_multi_buffers`` from the registered KV tensors, Mamba boundary puts), timed from
-  handing the jobs over until every rank's queue has drained. A *load* is one request per rank of a
-  second (warm) instance through ``KVCacheStoreRecvingThread`` (``start_load_kv`` until the queues
-  drain; rank 0's ``lookup`` runs before, untimed).
-* **stock** — the same, with vLLM's own factors, token databases and lookup prefixes
-  (``MooncakeStoreWorker``'s override points, unmodified): what kvpolicy replaces.
+* **kvpolicy** — a :class:`kvpolicy.sim.Fleet` of one model: a cold instance of ``tp`` simulated ranks,
+  each the production ``KVPolicyStoreWorker`` (its token databases, put schedule and lookup prefixes
+  from the ``--policy`` plan), one Mooncake client per rank, the ranks running concurrently in threads.
+  A *store* is ``Instance.save``: one store job per rank, each rank's ``wait_for_save`` with the
+  scheduler's metadata, then vLLM's ``KVCacheStoreSendingThread`` (keys, put striping,
+  ``batch_is_exist``, ``batch_put_from_multi_buffers`` from the registered KV tensors, Mamba boundary
+  puts), timed until every rank's queue has drained. A *load* is ``Instance.load`` on a second (warm)
+  instance of the fleet, same keys: the load metadata and ``start_load_kv`` on every rank, vLLM's
+  ``KVCacheStoreRecvingThread`` until the queues drain (rank 0's ``lookup`` runs before, untimed).
+* **stock** — the same in a second fleet whose instances run vLLM's own ``MooncakeStoreWorker``
+  (``Fleet.instance(None, tp)``): what kvpolicy replaces.
 * **raw** — per rank, ONE ``batch_put_from_multi_buffers`` with every (addresses, sizes) the kvpolicy
   send thread passed, under fresh keys; per warm rank, ONE ``batch_get_into_multi_buffers`` of the very
   objects the kvpolicy receive thread reads, into the same addresses. Ranks run concurrently in every
   path (one thread per rank).
+* **raw-calls** — every Mooncake call a kvpolicy rank made (exist checks, puts, gets), replayed in
+  order without vLLM's threads.
 
-Each repetition uses a new prompt (new keys) and deletes its objects afterwards; one untimed warm-up
-repetition records the raw path's argument lists. Reported: median times, and the medians of the
-per-repetition ratios kvpolicy / raw (throughput; target >= 0.9) and kvpolicy / stock.
+A fleet has one prompt, so every repetition stores the same prompt as a new request (new block
+tables) after the previous repetition's objects were deleted (``Fleet.remove_objects``, forced past
+Mooncake's leases): each store writes every object again, which the benchmark checks (the keys a store
+offers Mooncake must equal the warm-up's); the raw paths use fresh keys per repetition. Before that,
+untimed: the kvpolicy cold instance saves until its replication audit is over (``default``: the first
+4 saves; the audit runs in ``wait_for_save``, and is not measured), and one warm-up repetition per
+fleet with the KV tensors filled with each rank's bytes and the load checked byte for byte
+(``Instance.verdict``) records the raw paths' argument lists. Timed stores do not refill the tensors
+(the bytes do not change the transfer). A load fails the run when a warm rank's receive thread reports
+it unfinished, failed or with block errors (``Instance.load``). Reported: median times, and the medians of
+the per-repetition ratios kvpolicy / raw (throughput; target >= 0.9) and kvpolicy / stock.
 
-Shapes are scaled (see ``archetype_from_layout``): block 16, attention ``--kv-heads`` x ``--head-size``
-per rank (default 4 x 128: Llama-3.1-70B's page at tp=2), all layers, so a chunk object is as large as the
-real model's for 16-token blocks (Llama 2.5 MiB, DeepSeek ~1 MiB); hybrid models really use blocks of
-hundreds of tokens, so their real objects are far larger and fewer than here.
+Shapes are scaled (see ``kvpolicy.sim.archetype_from_layout``): block 16, attention ``--kv-heads`` x
+``--head-size`` per rank (default 4 x 128: Llama-3.1-70B's page at tp=2), all layers, so a chunk object
+is as large as the real model's for 16-token blocks (Llama 2.5 MiB, DeepSeek ~1 MiB); hybrid models
+really use blocks of hundreds of tokens, so their real objects are far larger and fewer than here.
 
     python benchmarks/bench_data_path.py [--layouts llama-3.1-70b deepseek-v3 kimi-linear-48b-a3b] [--tp 2]
         [--tokens 512] [--repeat 21] [--min-seconds 15] [--policy default] [--layers-per-group N]
@@ -34,6 +45,7 @@ hundreds of tokens, so their real objects are far larger and fewer than here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 import tempfile
@@ -45,16 +57,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
-    Instance,
-    example_layouts,
-    median,
-    median_ci,
-    native_stderr_to,
-    table,
-    true_factors,
-    verdict,
-)
+from _common import example_layouts, median, median_ci, table, verdict  # noqa: E402
+
+from kvpolicy.keys import chunk_key, split_chunk_key  # noqa: E402
 
 DEFAULT_LAYOUTS = ("llama-3.1-70b", "deepseek-v3", "kimi-linear-48b-a3b")
 PATHS = ("kvpolicy", "stock", "raw", "raw-calls")
@@ -69,7 +74,7 @@ Call = tuple[list[str], list[list[int]], list[list[int]]]
 """Keys, per-key buffer addresses, per-key buffer sizes: the arguments of a multi-buffer batch call."""
 
 
-def _concat(calls: list[Call]) -> Call:
+def _concat(calls: list[tuple[Any, ...]]) -> Call:
     keys: list[str] = []
     addrs: list[list[int]] = []
     sizes: list[list[int]] = []
@@ -80,96 +85,135 @@ def _concat(calls: list[Call]) -> Call:
     return keys, addrs, sizes
 
 
-def _rekey(key: str, chunk_of: dict[str, int], hashes: list[str], marker: str = "") -> str:
-    """The warm-up prompt's key of a chunk, as the same chunk's key for another prompt (optionally renamed)."""
-    prefix, chunk = key.rsplit("@", 1)
-    return f"{prefix}{marker}@{hashes[chunk_of[chunk]]}"
+def _rekey(key: str, marker: str) -> str:
+    """The same chunk's key in a renamed namespace (still under the fleet's run id, so the fleet's
+    ``remove_objects`` deletes it)."""
+    namespace, chunk = split_chunk_key(key)
+    return chunk_key(f"{namespace}{marker}", chunk)
 
 
 class Pair:
-    """A cold instance (saves) and a warm instance (loads) of one model, sharing keys."""
+    """A cold instance (saves) and a warm instance (loads) of one :class:`kvpolicy.sim.Fleet`, so they
+    share keys; ``policy`` None runs vLLM's own ``MooncakeStoreWorker`` (the stock path)."""
 
-    def __init__(
-        self, policy: Any, archetype: str, tp: int, clients: list[Any], blocks_needed: int, tokens: int, *, stock: bool
-    ) -> None:
-        self.cold = Instance(policy, archetype, tp, clients=clients[:tp], blocks_needed=blocks_needed, stock=stock)
-        self.warm = Instance(
-            policy, archetype, tp, clients=clients[tp:], blocks_needed=blocks_needed, run_id=self.cold.run_id,
-            stock=stock,
-        )
-        self.cold_tables = self.cold.block_tables(tokens, salt="cold", cold=True)
-        self.warm_tables = self.warm.block_tables(tokens, salt="warm", cold=False)
+    def __init__(self, fleet: Any, policy: Any, tp: int, label: str) -> None:
+        self.fleet = fleet
+        self.label = label
+        self.tp = tp
+        self.cold = fleet.instance(policy, tp, name="cold")
+        self.warm = fleet.instance(policy, tp, name="warm")
+        self.offered: int | None = None
+        """Keys a store offers Mooncake (from the recorded warm-up): fewer means an object survived."""
 
-    def store(self, request: Any) -> float:
+    def capture(self, on: bool) -> None:
+        self.cold.capture(on)
+        self.warm.capture(on)
+
+    def finish_audit(self) -> int:
+        """Untimed saves until the cold instance's replication audit is over (``audit.steps`` audited
+        saves under ``default``; none for the stock path or ``audit: off``), then one warm lookup, which
+        opens the warm instance's lookup gate for good (it remembers the agreement markers it found).
+        Returns the saves made; the objects are removed."""
+        saves = 0
+        audit = self.cold.audit if self.cold.policy is not None else None
+        while audit is not None and audit.groups_to_audit():
+            if saves > audit.steps:
+                raise RuntimeError(f"{self.label}: the audit did not finish after {saves} saves")
+            self.cold.save(request=f"audit{saves}")
+            saves += 1
+        if saves and (self.warm.lookup().hit_length == 0 or self.warm.last_lookup_gated):
+            raise RuntimeError(f"{self.label}: the warm instance's lookup found nothing after the audit")
+        self.fleet.remove_objects()
+        return saves
+
+    def store(self, request: str, *, fill: bool = False) -> float:
+        """One store job on every cold rank (a new request for the fleet's prompt), timed from
+        ``wait_for_save`` until every rank's send queue drained."""
         started = time.perf_counter()
-        try:
-            self.cold.save(self.cold_tables, request)
-        except RuntimeError as error:
-            raise TransferFailed(f"store ({'stock' if self.cold.stock else 'kvpolicy'}): {error}") from error
-        return time.perf_counter() - started
-
-    def load(self, request: Any) -> float:
-        lookup = self.warm.lookup(request)
-        if lookup.hit_length == 0:
-            raise TransferFailed(f"load ({'stock' if self.cold.stock else 'kvpolicy'}): the lookup found nothing")
-        metadata = self.warm.load_metadata(self.warm_tables, request, lookup)
-        started = time.perf_counter()
-        failed = self.warm.load(metadata)
+        outcome = self.cold.save(request=request, fill=fill)
         elapsed = time.perf_counter() - started
-        if failed:
-            raise TransferFailed(f"load ({'stock' if self.cold.stock else 'kvpolicy'}) failed on ranks {failed}")
+        unfinished = sorted(set(range(self.tp)) - set(outcome.completed_ranks))
+        if outcome.put_failures or unfinished:
+            raise TransferFailed(
+                f"store ({self.label}): {outcome.put_failures} puts failed, ranks {unfinished} did not finish"
+            )
+        if self.offered is None:
+            self.offered = len(outcome.puts)
+        elif len(outcome.puts) != self.offered:
+            raise TransferFailed(
+                f"store ({self.label}): offered {len(outcome.puts)} keys, the warm-up {self.offered} "
+                "(objects of an earlier repetition survived their removal)"
+            )
         return elapsed
 
-    def remove_objects(self) -> None:
-        self.cold.remove_objects()
+    def load(self) -> tuple[float, Any]:
+        """Rank 0's lookup (untimed), then the load on every warm rank through vLLM's receive threads,
+        timed from ``start_load_kv`` until every rank's queue drained."""
+        lookup = self.warm.lookup()
+        if lookup.hit_length == 0:
+            raise TransferFailed(f"load ({self.label}): the lookup found nothing")
+        started = time.perf_counter()
+        loads = self.warm.load(lookup)
+        elapsed = time.perf_counter() - started
+        failed = [load.tp_rank for load in loads if not load.ok]
+        if failed:
+            raise TransferFailed(f"load ({self.label}) failed on ranks {failed}: {[loads[rank] for rank in failed]}")
+        return elapsed, lookup
 
-    def close(self) -> None:
-        self.cold.close()
-        self.warm.close()
 
-
-def run_layout(stem: str, layout: Any, args: argparse.Namespace, pool: Any) -> dict[str, Any]:
+def run_layout(stem: str, layout: Any, args: argparse.Namespace, master: Any, pool: Any) -> dict[str, Any]:
     from mooncake.store import ReplicateConfig
 
     from kvpolicy.loader import load_policy
-    from kvpolicy.vllm.harness import archetype_from_layout
+    from kvpolicy.sim import Fleet, archetype_from_layout
 
     policy = load_policy(args.policy)
     archetype = archetype_from_layout(
         layout,
-        true_factors(layout),
         name=f"bench-data-{stem}",
         layers_per_group=args.layers_per_group,
         head_size=args.head_size,
         num_kv_heads=args.kv_heads,
     )
     tp = args.tp
-    blocks_needed = 1 + len(layout.groups) * -(-args.tokens // 16)
-    clients = pool.acquire(4 * tp)
-    pairs: dict[str, Pair] = {}
     executor = ThreadPoolExecutor(max_workers=tp)
-    try:
-        pairs["kvpolicy"] = Pair(policy, archetype, tp, clients[: 2 * tp], blocks_needed, args.tokens, stock=False)
-        pairs["stock"] = Pair(policy, archetype, tp, clients[2 * tp :], blocks_needed, args.tokens, stock=True)
+    with contextlib.ExitStack() as stack:
+        stack.callback(executor.shutdown)
+        fleets = {
+            name: stack.enter_context(
+                Fleet(archetype, master=master, clients=pool, num_tokens=args.tokens, seed=args.seed, name=name)
+            )
+            for name in ("kvpolicy", "stock")
+        }
+        pairs = {
+            "kvpolicy": Pair(fleets["kvpolicy"], policy, tp, "kvpolicy"),
+            "stock": Pair(fleets["stock"], None, tp, "stock"),
+        }
         kv = pairs["kvpolicy"]
-        raw_put_clients, raw_get_clients = clients[:tp], clients[tp : 2 * tp]
+        raw_put_clients = [rank.store.client for rank in kv.cold.ranks]
+        raw_get_clients = [rank.store.client for rank in kv.warm.ranks]
+        audit_saves = kv.finish_audit()
+        pairs["stock"].finish_audit()
 
-        # Warm-up: both pairs once, recording what the kvpolicy threads pass to Mooncake.
-        warmup = kv.cold.request(args.tokens, seed=100_000 * args.seed)
-        chunk_of = {h.hex(): i for i, h in enumerate(warmup.hashes)}
+        # Warm-up: both pairs once, the KV tensors filled with each rank's bytes, the load checked
+        # byte for byte, recording what the threads pass to Mooncake.
+        checks = {}
         for name, pair in pairs.items():
-            pair.cold.capture(True)
-            pair.warm.capture(True)
-            pair.store(warmup)
-            pair.load(warmup)
-            pair.cold.capture(False)
-            pair.warm.capture(False)
-            pair.remove_objects()
-        puts = [_concat(store.puts) for store in kv.cold.stores]
-        gets = [_concat(store.gets) for store in kv.warm.stores]
+            pair.capture(True)
+            pair.store("warmup", fill=True)
+            _, lookup = pair.load()
+            pair.capture(False)
+            result = pair.warm.verdict(lookup)
+            checks[name] = (
+                result.correct and not result.crashed and not result.reported_errors
+                and result.used_tokens == result.hit_tokens
+            )
+            pair.fleet.remove_objects()
+        puts = [_concat(rank.store.calls_of("batch_put_from_multi_buffers")) for rank in kv.cold.ranks]
+        gets = [_concat(rank.store.calls_of("batch_get_into_multi_buffers")) for rank in kv.warm.ranks]
         calls_per_rank = {
-            "store": max(len(store.puts) + len(store.exists) for store in kv.cold.stores),
-            "load": max(len(store.gets) for store in kv.warm.stores),
+            "store": max(len(rank.store.calls) for rank in kv.cold.ranks),
+            "load": max(len(rank.store.calls_of("batch_get_into_multi_buffers")) for rank in kv.warm.ranks),
         }
         # The fixed cost of one extra Mooncake call: a batch_is_exist of one rank's keys.
         probe = []
@@ -177,39 +221,41 @@ def run_layout(stem: str, layout: Any, args: argparse.Namespace, pool: Any) -> d
             started = time.perf_counter()
             raw_put_clients[0].batch_is_exist(puts[0][0])
             probe.append(time.perf_counter() - started)
-        stock_objects = sum(len(keys) for store in pairs["stock"].cold.stores for keys, _, _ in store.puts)
+        stock_objects = sum(
+            len(keys)
+            for rank in pairs["stock"].cold.ranks
+            for keys, _, _ in rank.store.calls_of("batch_put_from_multi_buffers")
+        )
 
-        def raw_store(hashes: list[str]) -> Callable[[], float]:
+        def raw_store(marker: str) -> Callable[[], float]:
             config = ReplicateConfig()
             calls = [
                 functools.partial(
-                    client.batch_put_from_multi_buffers,
-                    [_rekey(key, chunk_of, hashes, "#raw") for key in keys],
-                    addrs,
-                    sizes,
-                    config,
+                    client.batch_put_from_multi_buffers, [_rekey(key, marker) for key in keys], addrs, sizes, config
                 )
                 for client, (keys, addrs, sizes) in zip(raw_put_clients, puts, strict=True)
             ]
             return lambda: _timed(executor, calls, "raw put")
 
-        store_calls = [store.calls for store in kv.cold.stores]
+        store_calls = [list(rank.store.calls) for rank in kv.cold.ranks]
         # Rank 0's lookup (its batch_is_exist) is not part of the load.
         load_calls = [
-            [call for call in store.calls if call[0] == "batch_get_into_multi_buffers"] for store in kv.warm.stores
+            [call for call in rank.store.calls if call[0] == "batch_get_into_multi_buffers"] for rank in kv.warm.ranks
         ]
 
         def replay(
-            hashes: list[str], clients: list[Any], recorded: list[list[tuple[str, tuple[Any, ...]]]], marker: str
+            clients: list[Any], recorded: list[list[tuple[str, tuple[Any, ...]]]], marker: str
         ) -> Callable[[], float]:
-            """Every Mooncake call one kvpolicy rank made, in its order, under this prompt's keys."""
+            """Every Mooncake call one kvpolicy rank made, in its order; puts and exist checks under keys
+            renamed with ``marker``, gets of the kvpolicy store's own objects."""
             config = ReplicateConfig()
             prepared = []
             for client, calls in zip(clients, recorded, strict=True):
                 steps = []
                 for method, arguments in calls:
-                    rename = marker if method != "batch_get_into_multi_buffers" else ""
-                    keys = [_rekey(key, chunk_of, hashes, rename) for key in arguments[0]]
+                    keys = arguments[0]
+                    if method != "batch_get_into_multi_buffers":
+                        keys = [_rekey(key, marker) for key in keys]
                     extra = (config,) if method == "batch_put_from_multi_buffers" else ()
                     steps.append((getattr(client, method), (keys, *arguments[1:], *extra), method))
                 prepared.append(steps)
@@ -225,11 +271,9 @@ def run_layout(stem: str, layout: Any, args: argparse.Namespace, pool: Any) -> d
             calls = [functools.partial(rank_calls, steps) for steps in prepared]
             return lambda: _timed(executor, calls, "raw call replay")
 
-        def raw_load(hashes: list[str]) -> Callable[[], float]:
+        def raw_load() -> Callable[[], float]:
             calls = [
-                functools.partial(
-                    client.batch_get_into_multi_buffers, [_rekey(key, chunk_of, hashes) for key in keys], addrs, sizes
-                )
+                functools.partial(client.batch_get_into_multi_buffers, keys, addrs, sizes)
                 for client, (keys, addrs, sizes) in zip(raw_get_clients, gets, strict=True)
             ]
             return lambda: _timed(executor, calls, "raw get")
@@ -244,22 +288,21 @@ def run_layout(stem: str, layout: Any, args: argparse.Namespace, pool: Any) -> d
 
         while done() < args.repeat or (time.monotonic() < deadline and done() < 50 * args.repeat):
             attempt += 1
-            request = kv.cold.request(args.tokens, seed=attempt + 100_000 * args.seed, job_id=attempt)
-            hashes = [h.hex() for h in request.hashes]
+            request = f"rep{attempt}"
             turn = len(times["store"]["raw"])
             order = PATHS[turn % len(PATHS) :] + PATHS[: turn % len(PATHS)]
             stores = {
-                "kvpolicy": lambda: kv.store(request),
-                "stock": lambda: pairs["stock"].store(request),
-                "raw": raw_store(hashes),
-                "raw-calls": replay(hashes, raw_put_clients, store_calls, "#rawc"),
+                "kvpolicy": lambda request=request: kv.store(request),
+                "stock": lambda request=request: pairs["stock"].store(request),
+                "raw": raw_store(f"#raw{attempt}"),
+                "raw-calls": replay(raw_put_clients, store_calls, f"#rawc{attempt}"),
             }
             # The raw loads read the objects the kvpolicy store wrote, so every store precedes the loads.
             loads = {
-                "kvpolicy": lambda: kv.load(request),
-                "stock": lambda: pairs["stock"].load(request),
-                "raw": raw_load(hashes),
-                "raw-calls": replay(hashes, raw_get_clients, load_calls, ""),
+                "kvpolicy": lambda: kv.load()[0],
+                "stock": lambda: pairs["stock"].load()[0],
+                "raw": raw_load(),
+                "raw-calls": replay(raw_get_clients, load_calls, ""),
             }
             try:
                 measured = {("store", path): stores[path]() for path in order}
@@ -267,7 +310,7 @@ def run_layout(stem: str, layout: Any, args: argparse.Namespace, pool: Any) -> d
             except TransferFailed as error:
                 # Mooncake's TCP transport rejects transfers when a peer's queue stays full (seen on this
                 # 2-core machine under load from other processes); any path can hit it. The repetition
-                # is dropped and counted, and a new one (new keys) takes its place.
+                # is dropped and counted, and a new one takes its place.
                 failures.append(f"{stem}: {error}")
                 if len(failures) > args.repeat:
                     raise
@@ -275,8 +318,8 @@ def run_layout(stem: str, layout: Any, args: argparse.Namespace, pool: Any) -> d
                 for (op, path), value in measured.items():
                     times[op][path].append(value)
             finally:
-                for pair in pairs.values():
-                    pair.remove_objects()
+                for fleet in fleets.values():
+                    fleet.remove_objects()
         return {
             "times": times,
             "bytes": {
@@ -288,14 +331,10 @@ def run_layout(stem: str, layout: Any, args: argparse.Namespace, pool: Any) -> d
             "calls": calls_per_rank,
             "exist_ms": median(probe) * 1000,
             "factors": ",".join(str(factor) for factor in kv.cold.plan.factors),
+            "audit_saves": audit_saves,
+            "checks": checks,
             "failures": failures,
         }
-    finally:
-        executor.shutdown()
-        for pair in pairs.values():
-            pair.remove_objects()
-            pair.close()
-        pool.release(clients)
 
 
 def _timed(executor: ThreadPoolExecutor, calls: list[Callable[[], Any]], what: str) -> float:
@@ -326,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.vllm.harness import ClientPool
+    from kvpolicy.mooncake.native_log import native_stderr_to
+    from kvpolicy.mooncake.pool import ClientPool
 
     started = time.monotonic()
     layouts = example_layouts(args.layouts)
@@ -334,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(tempfile.gettempdir()) / "kvpolicy-bench-mooncake.log"
     with native_stderr_to(log), MooncakeMaster() as master, ClientPool(master, segment_mib=args.segment_mib) as pool:
         for stem, layout in layouts:
-            results.append((stem, run_layout(stem, layout, args, pool)))
+            results.append((stem, run_layout(stem, layout, args, master, pool)))
     elapsed = time.monotonic() - started
 
     rows = []
@@ -397,6 +437,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "one extra Mooncake call (batch_is_exist of one rank's keys, median): "
         + ", ".join(f"{stem} {result['exist_ms']:.2f} ms" for stem, result in results)
+    )
+    wrong = [f"{stem} {path}" for stem, result in results for path, ok in result["checks"].items() if not ok]
+    print(
+        "warm-up load byte for byte (every rank's own bytes, nothing else written): "
+        + ("yes" if not wrong else "NO for " + ", ".join(wrong))
+        + "; untimed audited saves before it (kvpolicy): "
+        + ", ".join(f"{stem} {result['audit_saves']}" for stem, result in results)
     )
     mismatched = [stem for stem, result in results if result["stock_objects"] != result["objects"]["store"]]
     if mismatched:

@@ -283,7 +283,6 @@ def main(argv: list[str] | None = None) -> int:
         return child(args.child)
 
     from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.mooncake.testing import small_client_config
     from kvpolicy.vllm.e2e import SegmentHolder, engine_store_config
     from kvpolicy.vllm.tinymodel import make_tiny_llama
 
@@ -293,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(directory)
         model = make_tiny_llama(scratch / "tiny-llama", num_kv_heads=args.kv_heads)
         with MooncakeMaster(object_lease_ms=LEASE_TTL_MS, client_ttl_s=120) as master:
-            store_config = engine_store_config(small_client_config(master), scratch / "engine.json")
+            store_config = engine_store_config(master.client_config(), scratch / "engine.json")
             with SegmentHolder(master.rpc_address, segment_mib=256):
                 for pair in range(args.pairs):
                     for name, values in run_pair(pair, args, model, store_config, scratch).items():

@@ -29,7 +29,6 @@ from _common import table
 from kvpolicy.engine import make_plan
 from kvpolicy.loader import load_layout, load_policy
 from kvpolicy.mooncake.master import MooncakeMaster
-from kvpolicy.mooncake.testing import small_client_config
 from kvpolicy.traffic import prompt_traffic
 from kvpolicy.vllm.e2e import SegmentHolder, engine_store_config, fixed_prompt, serve_once
 from kvpolicy.vllm.tinymodel import ARCHITECTURES, HYBRIDS, make_tiny_model
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix="kvpolicy-bench-hybrid-"
     ) as scratch:
         workdir = Path(scratch)
-        store_config = engine_store_config(small_client_config(master), workdir / "mooncake.json")
+        store_config = engine_store_config(master.client_config(), workdir / "mooncake.json")
         with SegmentHolder(master.rpc_address, segment_mib=256):
             for arch in args.arch:
                 for policy_label in args.policies:

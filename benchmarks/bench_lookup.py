@@ -1,18 +1,26 @@
 """Lookup cost: keys a prefix lookup checks, and its time, against the all-or-nothing minimum.
 
-For every layout in ``examples/layouts/``, TP size and policy: a cold instance of ``tp`` simulated ranks
-saves a 32k-token prompt through vLLM's send threads into a Mooncake master started here (so the store
-really holds the keys); then rank 0 of a new instance runs vLLM's ``MooncakeStoreWorker.lookup`` on the
-same prompt, as the scheduler's lookup server would, several times. vLLM's lookup checks, for every
-chunk it considers in every group, one key per namespace of the group's lookup set, in one
-``batch_is_exist``; a chunk hits only if all are present (the all-or-nothing rule).
+For every layout in ``examples/layouts/``, TP size and policy, one :class:`kvpolicy.sim.Fleet`: a cold
+instance of ``tp`` simulated ranks (each the production ``KVPolicyStoreWorker``) saves a 32k-token prompt
+through its replication audit and vLLM's send threads into a Mooncake master started here (so the store
+really holds the keys, and the audit's agreement markers); then rank 0 of a new (warm) instance of the
+fleet, same keys, runs the connector's ``lookup`` on the same prompt, as the scheduler's lookup server
+would, several times: ``KVPolicyStoreWorker.lookup``, i.e. the lookup gate (it reads the agreement
+markers on the first lookup only, untimed, and remembers them) and then vLLM's
+``MooncakeStoreWorker.lookup``. vLLM's lookup checks, for every chunk it considers in every group, one
+key per namespace of the group's lookup set, in one ``batch_is_exist``; a chunk hits only if all are
+present (the all-or-nothing rule).
 
 * keys = keys in that ``batch_is_exist`` (``master_batch_exist_key_items_total`` per lookup);
 * minimum = sum over groups of (chunks vLLM checks for the group) x (TP ranks // the group's PHYSICAL
-  replication factor): the namespaces a hit needs when every replica set shares one namespace;
+  replication factor, ``instance.model.true_factors``): the namespaces a hit needs when every replica
+  set shares one namespace;
 * baseline time = one raw ``batch_is_exist`` of a minimum key set (the first that-many namespaces of
-  each chunk), alternating with the lookups.
+  each chunk), alternating with the lookups; for ``vllm-compat`` also a third instance of the fleet
+  running vLLM's own ``MooncakeStoreWorker`` (``Fleet.instance(None, tp)``) on the same keys.
 
+The warm (and stock) instance is a full instance, one store client per rank, although only rank 0
+looks up: at the largest tp the run holds 3 x tp clients (closing them at the end takes 1-2 s each).
 Shapes are scaled down (they do not change which keys are checked): block 16, one layer per group,
 attention 1 KV head x 16, Mamba dims <= 4.
 
@@ -31,55 +39,49 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
-    DEFAULT_POLICIES,
-    Instance,
-    example_layouts,
-    median,
-    native_stderr_to,
-    table,
-    true_factors,
-)
+from _common import DEFAULT_POLICIES, example_layouts, median, table  # noqa: E402
 
 
 class LookupChanged(RuntimeError):
     """A repeated lookup of the same prompt found a different prefix."""
 
 
-def measure(policy: Any, archetype: str, tp: int, args: argparse.Namespace, master: Any, pool: Any) -> dict[str, Any]:
+def measure(policy: Any, archetype: Any, tp: int, args: argparse.Namespace, master: Any, pool: Any) -> dict[str, Any]:
+    from kvpolicy.keys import split_chunk_key
     from kvpolicy.mooncake import MasterCounters
+    from kvpolicy.sim import Fleet
 
-    groups_hint = args.groups
-    blocks_needed = 1 + groups_hint * -(-args.tokens // 16)
     with_stock = policy.name == "vllm-compat"
-    clients = pool.acquire(tp + 1 + with_stock)
-    cold = warm = stock = None
-    try:
-        cold = Instance(policy, archetype, tp, clients=clients[:tp], blocks_needed=blocks_needed)
-        request = cold.request(args.tokens, seed=args.seed)
-        cold.save(cold.block_tables(args.tokens, salt="cold", cold=True), request)
-        cold.close()
-        # The lookup runs on rank 0 of another instance (its own client), as after a restart.
-        warm = Instance(
-            policy, archetype, tp, clients=clients[tp : tp + 1], blocks_needed=1 + groups_hint, run_id=cold.run_id,
-            ranks=[0],
-        )
-        if with_stock:
-            # vllm-compat's keys are upstream's: vLLM's own worker looks the same prompt up, for comparison.
-            stock = Instance(
-                policy, archetype, tp, clients=clients[tp + 1 :], blocks_needed=1 + groups_hint, run_id=cold.run_id,
-                ranks=[0], stock=True,
+    with Fleet(
+        archetype, master=master, clients=pool, num_tokens=args.tokens, seed=args.seed, name="kvpolicy-bench"
+    ) as fleet:
+        cold = fleet.instance(policy, tp, name="cold")
+        saved = cold.save()
+        if saved.put_failures or len(saved.completed_ranks) < tp:
+            raise RuntimeError(
+                f"cold save under {policy.name} at tp={tp}: {saved.put_failures} failed puts, "
+                f"ranks {saved.completed_ranks} of {tp} finished"
             )
-        warm.capture(True)
-        result = warm.lookup(request)
-        warm.capture(False)
-        (keys,) = warm.stores[0].exists
+        cold.close()
+        # The lookup runs on rank 0 of another instance of the fleet (same keys, its own clients), as
+        # after a restart; its other ranks take no part in a lookup.
+        warm = fleet.instance(policy, tp, name="warm")
+        # vllm-compat's keys are upstream's: vLLM's own worker looks the same prompt up, for comparison.
+        stock = fleet.instance(None, tp, name="stock") if with_stock else None
+        store = warm.ranks[0].store
+        store.capturing = True
+        result = warm.lookup()
+        store.capturing = False
+        if warm.last_lookup_gated:
+            raise RuntimeError(f"{policy.name} tp={tp}: the lookup gate stayed closed after the cold instance's audit")
+        # The lookup's batch_is_exist is the last one (the lookup gate checks its markers before it).
+        keys = store.calls_of("batch_is_exist")[-1][0]
         group_of = {prefix: group.index for group in warm.plan.groups for prefix in group.lookup_namespaces}
         truth = list(warm.model.true_factors)
         namespaces = [len(group.lookup_namespaces) for group in warm.plan.groups]
         per_group = [0] * len(warm.plan.groups)
         for key in keys:
-            per_group[group_of[key.rsplit("@", 1)[0]]] += 1
+            per_group[group_of[split_chunk_key(key)[0]]] += 1
         units = [count // n for count, n in zip(per_group, namespaces, strict=True)]
         ideal = [tp // factor for factor in truth]
         minimum = sum(unit * need for unit, need in zip(units, ideal, strict=True))
@@ -88,11 +90,11 @@ def measure(policy: Any, archetype: str, tp: int, args: argparse.Namespace, mast
         minimal_keys: list[str] = []
         by_group: list[list[str]] = [[] for _ in warm.plan.groups]
         for key in keys:
-            by_group[group_of[key.rsplit("@", 1)[0]]].append(key)
+            by_group[group_of[split_chunk_key(key)[0]]].append(key)
         for group_keys, n, need in zip(by_group, namespaces, ideal, strict=True):
             for start in range(0, len(group_keys), n):
                 minimal_keys += group_keys[start : start + min(need, n)]
-        raw_client = clients[tp]
+        raw_client = store.client
         lookup_times: list[float] = []
         raw_times: list[float] = []
         stock_times: list[float] = []
@@ -102,7 +104,7 @@ def measure(policy: Any, archetype: str, tp: int, args: argparse.Namespace, mast
         def run_lookup() -> float:
             before = MasterCounters.read(master.metrics_url)
             started = time.perf_counter()
-            found = warm.lookup(request)
+            found = warm.lookup()
             elapsed = time.perf_counter() - started
             after = MasterCounters.read(master.metrics_url)
             counted.append(after.batch_exist_key_items - before.batch_exist_key_items)
@@ -118,7 +120,7 @@ def measure(policy: Any, archetype: str, tp: int, args: argparse.Namespace, mast
         def run_stock() -> float:
             assert stock is not None
             started = time.perf_counter()
-            found = stock.lookup(request)
+            found = stock.lookup()
             elapsed = time.perf_counter() - started
             if found.hit_length != result.hit_length:
                 raise LookupChanged(f"stock lookup hit {found.hit_length} tokens, kvpolicy {result.hit_length}")
@@ -156,13 +158,6 @@ def measure(policy: Any, archetype: str, tp: int, args: argparse.Namespace, mast
             "hit": result.hit_length,
             "failures": failures,
         }
-    finally:
-        for instance in (cold, warm, stock):
-            if instance is not None:
-                instance.close()
-        if cold is not None:
-            cold.remove_objects()
-        pool.release(clients)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvpolicy.loader import load_policy
     from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.vllm.harness import ClientPool, archetype_from_layout
+    from kvpolicy.mooncake.native_log import native_stderr_to
+    from kvpolicy.mooncake.pool import ClientPool
+    from kvpolicy.sim import archetype_from_layout
 
     policies = [load_policy(name) for name in args.policies]
     started = time.monotonic()
@@ -186,10 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(tempfile.gettempdir()) / "kvpolicy-bench-mooncake.log"
     with native_stderr_to(log), MooncakeMaster() as master, ClientPool(master, segment_mib=64) as pool:
         for stem, layout in example_layouts(args.layouts):
-            archetype = archetype_from_layout(
-                layout, true_factors(layout), name=f"bench-lookup-{stem}", layers_per_group=1, head_size=16
-            )
-            args.groups = len(layout.groups)
+            archetype = archetype_from_layout(layout, name=f"bench-lookup-{stem}", layers_per_group=1, head_size=16)
             for turn, tp in enumerate(args.tp):
                 ordered = policies[turn % len(policies):] + policies[: turn % len(policies)]
                 measured = {policy.name: measure(policy, archetype, tp, args, master, pool) for policy in ordered}
@@ -222,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                         )
     elapsed = time.monotonic() - started
     print(
-        f"Prefix lookup of a {args.tokens}-token request (vLLM's MooncakeStoreWorker.lookup on rank 0, against a real "
-        "store holding the prompt's keys, saved by a cold instance through vLLM's send threads). keys = keys in its "
+        f"Prefix lookup of a {args.tokens}-token request (the connector's lookup on rank 0 of a warm instance: "
+        "KVPolicyStoreWorker's lookup gate, then vLLM's MooncakeStoreWorker.lookup, against a real store holding the "
+        "prompt's keys, saved by a cold instance through vLLM's send threads). keys = keys in its "
         "batch_is_exist; minimum = sum over groups of chunks checked x (tp // PHYSICAL factor); raw ms = one raw "
         f"batch_is_exist of a minimum key set; stock ms = vLLM's own MooncakeStoreWorker (upstream rules) looking up "
         f"the vllm-compat keys; time ratio = lookup / raw (median of {args.repeat} paired runs, alternating). "

@@ -1,16 +1,19 @@
 """Write amplification: objects and bytes a cold save puts into Mooncake, over what the model really holds.
 
-For every layout in ``examples/layouts/`` and every TP size, the multi-rank harness
-(:func:`kvpolicy.vllm.harness.run_consistency`) builds the layout's real vLLM spec classes from its
-fields (:func:`kvpolicy.vllm.harness.archetype_from_layout`), lets vLLM group and size them, saves a
-prompt from ``tp`` simulated ranks through vLLM's send threads under each policy into a Mooncake master
-started here, loads it back into a new instance and checks every rank's bytes.
+For every layout in ``examples/layouts/`` and every TP size, the simulation
+(:func:`kvpolicy.sim.run_consistency`) builds the layout's real vLLM spec classes from its fields
+(:func:`kvpolicy.sim.archetype_from_layout`), lets vLLM group and size them, saves a prompt from ``tp``
+simulated ranks (each the production ``KVPolicyStoreWorker``: its replication audit, then vLLM's send
+thread) under each policy into a Mooncake master started here, loads it back into a new instance and
+checks every rank's bytes.
 
 * objects = ``master_batch_put_end_items_total`` (objects the master stored) during the save;
-* bytes = ``master_allocated_bytes`` growth during the save (the harness report);
+* bytes = ``master_allocated_bytes`` growth during the save, less the audit's marker objects (the
+  ``ConsistencyReport``);
 * unique = per group, (TP ranks // the group's *physical* replication factor) distinct shards × the
-  chunks the store holds; the physical factor comes from the model (``_common.physical_factor``: MLA
-  whole on every rank, Mamba state split by heads, GQA heads repeated once tp > heads), not from a policy.
+  chunks the store holds; the physical factor comes from the model (:func:`kvpolicy.sim.physical_factor`:
+  MLA whole on every rank, Mamba state split by heads, GQA heads repeated once tp > heads), not from a
+  policy.
 
 Shapes are scaled down (attention: 1 KV head of 32 per rank; Mamba state dims cut to 4; vLLM pads
 pages to one size as it does for the real models), block size 16, all of a layout's layers. Per group,
@@ -33,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import DEFAULT_POLICIES, example_layouts, native_stderr_to, table, true_factors  # noqa: E402
+from _common import DEFAULT_POLICIES, example_layouts, table  # noqa: E402
 
 
 def _ratio(value: float, base: float) -> str:
@@ -56,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvpolicy.loader import load_policy
     from kvpolicy.models import Topology
     from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.vllm.harness import ClientPool, archetype_from_layout, run_consistency
+    from kvpolicy.mooncake.native_log import native_stderr_to
+    from kvpolicy.mooncake.pool import ClientPool
+    from kvpolicy.sim import archetype_from_layout, run_consistency
 
     policies = [load_policy(name) for name in args.policies]
     layouts = example_layouts(args.layouts)
@@ -68,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(tempfile.gettempdir()) / "kvpolicy-bench-mooncake.log"
     with native_stderr_to(log), MooncakeMaster() as master, ClientPool(master, segment_mib=32) as pool:
         for stem, layout in layouts:
-            truth = true_factors(layout)
-            archetype = archetype_from_layout(layout, truth, layers_per_group=args.layers_per_group)
+            archetype = archetype_from_layout(layout, layers_per_group=args.layers_per_group)
             for turn, tp_size in enumerate(args.tp):
                 # Policies alternate in a rotating order, so none always runs first on a warm master.
                 ordered = policies[turn % len(policies):] + policies[: turn % len(policies)]
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     reference = make_plan(policy, layout, Topology(tp_size=tp_size)).factors
                     if tuple(group.factor for group in report.groups) != reference:
                         mismatched_plans.append(
-                            f"{stem} tp={tp_size} {policy.name}: harness {[group.factor for group in report.groups]}"
+                            f"{stem} tp={tp_size} {policy.name}: simulation {[group.factor for group in report.groups]}"
                             f" vs layout {list(reference)}"
                         )
                     results[policy.name] = report
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("MET" if not misses else "MISSED: " + "; ".join(misses))
     )
     if mismatched_plans:
-        print("WARNING: the harness's vLLM grouping planned differently from the layout document:")
+        print("WARNING: the simulation's vLLM grouping planned differently from the layout document:")
         for line in mismatched_plans:
             print(f"  {line}")
     print(f"({elapsed:.0f} s; Mooncake client log: {log})")

@@ -34,7 +34,7 @@ from kvpolicy.sim.archetypes import (
 from kvpolicy.sim.collective import CollectiveTimeout, ThreadGather
 from kvpolicy.sim.consistency import ConsistencyReport, GroupOutcome, audited_policy, run_consistency
 from kvpolicy.sim.fleet import Fleet, MixedReport, run_mixed
-from kvpolicy.sim.instance import Instance, LoadVerdict, SaveOutcome, SaveRequest, WrongBlock
+from kvpolicy.sim.instance import Instance, LoadVerdict, RankLoad, SaveOutcome, SaveRequest, WrongBlock
 from kvpolicy.sim.model import SimulatedModel, build_model
 from kvpolicy.sim.rank import Rank
 from kvpolicy.sim.scheduler import Prompt
@@ -55,6 +55,7 @@ __all__ = [
     "Prompt",
     "Put",
     "Rank",
+    "RankLoad",
     "RecordingStore",
     "SaveOutcome",
     "SaveRequest",

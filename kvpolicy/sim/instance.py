@@ -43,7 +43,7 @@ from kvpolicy.sim.store import Put
 if TYPE_CHECKING:
     from kvpolicy.sim.fleet import Fleet
 
-__all__ = ["Instance", "LoadVerdict", "SaveOutcome", "SaveRequest", "WrongBlock"]
+__all__ = ["Instance", "LoadVerdict", "RankLoad", "SaveOutcome", "SaveRequest", "WrongBlock"]
 
 DEFAULT_TIMEOUT_S = 60.0
 """How long a step waits for a rank's transfer queue or collective before calling it a hang."""
@@ -102,11 +102,22 @@ class WrongBlock:
 
 
 @dataclass(frozen=True)
-class _RankLoad:
+class RankLoad:
+    """What one rank's receive thread reported for a load, before any byte is compared."""
+
+    tp_rank: int
     drained: bool
+    """The receive queue emptied within the timeout (a load that never ends is a hang)."""
     finished: bool
+    """The request is in ``finished_recving``."""
     failed: bool
+    """The request is in ``failed_recving``."""
     invalid_block_ids: frozenset[int]
+    """What ``get_block_ids_with_load_errors`` reported."""
+
+    @property
+    def ok(self) -> bool:
+        return self.drained and self.finished and not self.failed and not self.invalid_block_ids
 
 
 @dataclass(frozen=True)
@@ -180,7 +191,7 @@ class Instance:
         self.prompt = Prompt(fleet.token_ids, tuple(scheduler.block_hashes(fleet.token_ids, model.hash_block_size)))
         self._collective = ThreadGather(self.tp_size, timeout=timeout)
         self._saves: dict[tuple[int, str], SaveRequest] = {}
-        self._loads: dict[int, _RankLoad] = {}
+        self._loads: dict[int, RankLoad] = {}
         self._load_req_id = f"{fleet.run_id}-{name}-load"
         self.load_tables: BlockTables = scheduler.block_tables(
             model, fleet.num_tokens, seed=fleet.seed, salt=f"{fleet.run_id}/{name}/load", mamba_nulls=False
@@ -370,11 +381,17 @@ class Instance:
         """Rank 0's last lookup missed because the lookup gate was closed."""
         return self.policy is not None and self.ranks[0].policy_worker.last_lookup_gated
 
-    def load(self, lookup: MooncakeLookupResult, *, ranks: Iterable[int] | None = None) -> None:
+    def capture(self, on: bool) -> None:
+        """Start or stop recording the batch calls of every rank's store (:attr:`RecordingStore.calls`)."""
+        for rank in self.ranks:
+            rank.store.capturing = on
+
+    def load(self, lookup: MooncakeLookupResult, *, ranks: Iterable[int] | None = None) -> tuple[RankLoad, ...]:
         """Load ``lookup``'s hit into ``ranks`` (default: all, concurrently) through their receive
-        threads, as ``start_load_kv`` does for an async load; results go to :meth:`verdict`."""
+        threads, as ``start_load_kv`` does for an async load; returns what each rank reported (and
+        keeps it for :meth:`verdict`, which also compares the bytes)."""
         if lookup.hit_length <= 0:
-            return  # the scheduler issues no load without a hit
+            return ()  # the scheduler issues no load without a hit
         selected = self._selected(ranks)
         metas = []
         for rank in selected:
@@ -387,12 +404,14 @@ class Instance:
         for rank, metadata in zip(selected, metas, strict=True):
             drained = _drain(rank.worker.recv_request_queue, self.timeout)
             results = rank.worker.get_transfer_results(set(), metadata)
-            self._loads[rank.tp_rank] = _RankLoad(
+            self._loads[rank.tp_rank] = RankLoad(
+                tp_rank=rank.tp_rank,
                 drained=drained,
                 finished=self._load_req_id in results.finished_recving,
                 failed=self._load_req_id in results.failed_recving,
                 invalid_block_ids=frozenset(rank.worker.get_block_ids_with_load_errors()),
             )
+        return tuple(self._loads[rank.tp_rank] for rank in selected)
 
     def verdict(self, lookup: MooncakeLookupResult, *, honour_errors: bool = True) -> LoadVerdict:
         """Judge the loads so far (see the module docstring). ``honour_errors=False`` judges every

@@ -475,11 +475,11 @@ def test_policy_worker_refuses_vllms_tp_sharded_store_layout() -> None:
         policy_worker(COMPAT, Case((full(),), tp=2, heads=4), (0, 0, 0), extra_config={"store_tp_size": 4})
 
 
-# --- default differs from compat only where the brief says ---------------------------------------
+# --- default differs from compat only where vLLM 0.32 has no rule ---------------------------------------
 
 
 def hint_free(param: Any) -> bool:
-    """No replication hint set and no plugin class: the cases where the brief says default == compat."""
+    """No replication hint set and no plugin class: the cases where default must equal compat."""
     return not any(hint in param.id for hint in ("tp_replicated", "max_tp_shards", "plugin", "Plugin"))
 
 
