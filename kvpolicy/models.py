@@ -26,6 +26,7 @@ from pydantic import (
     GetCoreSchemaHandler,
     PlainSerializer,
     PrivateAttr,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -494,8 +495,9 @@ class Layout(StrictModel):
     """What is special about this model's cache."""
     source: FrozenMapping[str, Any] = Field(default_factory=FrozenMapping)
     """Config fields this layout was derived from, and their values."""
-    total_num_kv_heads: int = Field(ge=1)
-    """Model-wide number of KV heads (vLLM's ``model_config.get_total_num_kv_heads()``)."""
+    total_num_kv_heads: int = Field(ge=0)
+    """Model-wide number of KV heads (vLLM's ``model_config.get_total_num_kv_heads()``); 0 for an
+    attention-free model (``mamba``, ``mamba2``, ``falcon_mamba``), which then has no attention group."""
     groups: tuple[Group, ...] = Field(min_length=1)
     """Groups in vLLM's order; a group's index is its position in this list."""
 
@@ -508,6 +510,20 @@ class Layout(StrictModel):
         if total > MAX_LAYOUT_LAYERS:
             raise ValueError(f"the layer names expand to {total} layers; a layout may have at most {MAX_LAYOUT_LAYERS}")
         return data
+
+    @field_validator("groups")
+    @classmethod
+    def _heads_for_attention(cls, groups: tuple[Group, ...], info: ValidationInfo) -> tuple[Group, ...]:
+        if info.data.get("total_num_kv_heads", 1):
+            return groups
+        for index, group in enumerate(groups):
+            for member in group.members:
+                if "AttentionSpec" in member.spec.classes:
+                    raise ValueError(
+                        f"total_num_kv_heads is 0 (an attention-free model) but group {index} holds attention "
+                        f"({member.spec.type}); set the model's KV-head count"
+                    )
+        return groups
 
 
 class Topology(StrictModel):

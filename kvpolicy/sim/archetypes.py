@@ -215,6 +215,13 @@ ARCHETYPES: Mapping[str, Archetype] = _registry(
         MappingProxyType({"attn": _gqa(lambda tp_size: 1), "mamba": _mamba2()}),
     ),
     Archetype(
+        "mamba2",
+        "attention-free Mamba2 model (vLLM reports 0 KV heads): head-sharded state only",
+        0,
+        tuple((_mixer(i), "mamba") for i in range(4)),
+        MappingProxyType({"mamba": _mamba2()}),
+    ),
+    Archetype(
         "sliding-window-full",
         "interleaved full and sliding-window (32 tokens) GQA layers with 2 KV heads",
         2,

@@ -13,6 +13,7 @@ from fractions import Fraction
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, UniformTypeKVCacheSpecs
 
 from kvpolicy.models import Group, LayerSpecs, Layout, Spec
@@ -99,10 +100,11 @@ def layout_from_kv_cache_config(
         else Group(name=name, spec=spec_document(group.kv_cache_spec), layers=tuple(group.layer_names))
         for name, group in zip(names, selected, strict=True)
     )
-    return Layout(
-        version=1,
-        kind="ModelLayout",
-        model=model,
-        total_num_kv_heads=total_num_kv_heads,
-        groups=groups,
-    )
+    try:
+        return Layout(version=1, kind="ModelLayout", model=model, total_num_kv_heads=total_num_kv_heads, groups=groups)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(map(str, problem['loc'])) or 'layout'}: {problem['msg']}"
+            for problem in error.errors(include_url=False)
+        )
+        raise ValueError(f"kvpolicy cannot describe this model's KV cache as a layout: {problems}") from None

@@ -450,6 +450,14 @@ def test_policy_worker_override_points_answer_like_upstream_under_compat(case: C
         )
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_an_attention_free_model_gets_upstreams_factors_and_keys_under_compat(tp: int) -> None:
+    # vLLM reports 0 KV heads for mamba, mamba2 and falcon_mamba.
+    case = Case((mamba(), mamba()), tp=tp, heads=0)
+    assert plan_for(COMPAT, case).factors == upstream(case)._group_tp_replication_factors == (1, 1)
+    assert plan_keys(COMPAT, case) == upstream_keys(case)
+
+
 def test_policy_worker_exposes_the_plan_it_keyed_with() -> None:
     # DEFAULT audits the MLA group, so planning reads published demotions (none in the store
     # set_upstream_state gives) and agrees on them over TP: one rank alone here.

@@ -225,3 +225,21 @@ def test_layout_round_trips_through_model_dump() -> None:
 def test_layout_carries_model_and_head_count() -> None:
     layout = hybrid()
     assert (layout.model, layout.total_num_kv_heads) == ("org/tiny", 2)
+
+
+def test_an_attention_free_model_with_zero_kv_heads_makes_a_layout() -> None:
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["m.0"], mamba())])
+    layout = layout_from_kv_cache_config(config, model="state-spaces/mamba2-130m", total_num_kv_heads=0)
+    assert layout.total_num_kv_heads == 0 and [group.spec.type for group in layout.groups] == ["MambaSpec"]
+
+
+def test_zero_kv_heads_beside_attention_is_one_clear_line() -> None:
+    config = KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["m.0"], mamba()), KVCacheGroupSpec(["a.1"], full_attention())],
+    )
+    with pytest.raises(ValueError) as refused:
+        layout_from_kv_cache_config(config, model="org/Broken", total_num_kv_heads=0)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("kvpolicy cannot describe this model's KV cache as a layout:")
+    assert "group 1 holds attention (FullAttentionSpec)" in message

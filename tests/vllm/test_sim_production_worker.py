@@ -1,6 +1,7 @@
 """The simulation runs the production connector: every rank is a ``KVPolicyStoreWorker``, so the
 replication audit, the lookup gate and the put schedule the engine runs are what is judged here,
-on every hybrid archetype (MLA+KDA, GQA+GDN, GQA+Mamba2) at TP 2 and 4."""
+on every hybrid archetype (MLA+KDA, GQA+GDN, GQA+Mamba2) and an attention-free Mamba2 model (0 KV
+heads) at TP 2 and 4."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 WRONG_STATE = REPO / "examples" / "policies" / "wrong-recurrent-replicated.yaml"
 NUM_TOKENS = 128
 EXPECTED_HIT = (NUM_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
-CASES = [pytest.param(archetype, tp, id=f"{archetype}-tp{tp}") for archetype in HYBRIDS for tp in (2, 4)]
+STATE_MODELS = (*HYBRIDS, "mamba2")
+CASES = [pytest.param(archetype, tp, id=f"{archetype}-tp{tp}") for archetype in STATE_MODELS for tp in (2, 4)]
 
 Run = Callable[..., ConsistencyReport]
 
