@@ -268,14 +268,32 @@ def initial_statuses(plan: Plan, *, mode: AuditMode | None = None) -> dict[int, 
     return statuses
 
 
-def agreement_key(plan: Plan, group: int, *, pcp_rank: int = 0, pp_rank: int = 0) -> str:
+def agreement_key(
+    plan: Plan, group: int, *, pcp_rank: int = 0, pp_rank: int = 0, replicas: int | None = None
+) -> str:
     """The store key an instance writes once its audit agreed on ``group`` under ``plan``.
 
-    It lives in the group's first namespace of that (pcp, pp) rank and names the plan fingerprint,
-    so it vouches only for this plan's objects: an instance that has not audited yet may load the
-    group's shared namespace when this key exists (see :meth:`AuditState.untrusted_groups`).
+    It lives in the group's first namespace of that (pcp, pp) rank and names the plan fingerprint
+    and the size of the replica sets the audit verified (``replicas``, default the group's factor),
+    so it vouches only for this plan's objects and only as far as was checked: an instance that has
+    not audited yet may load the group's shared namespace when a marker of a replica set at least as
+    large as its own exists (:func:`vouching_replicas`; see :meth:`AuditState.untrusted_groups`).
+    Instances at different TP sizes can share a fingerprint (the stored bytes are the same), but a
+    pair of agreeing ranks says nothing about four.
     """
-    return marker_key(plan.key_prefix(group, 0, pcp_rank, pp_rank), AGREEMENT_MARKER, plan.fingerprint)
+    verified = plan.groups[group].factor if replicas is None else replicas
+    return marker_key(plan.key_prefix(group, 0, pcp_rank, pp_rank), AGREEMENT_MARKER, plan.fingerprint, replicas=verified)
+
+
+VOUCHING_MULTIPLES = (1, 2, 4, 8, 16)
+"""Replica-set sizes, as multiples of a group's own factor, whose agreement markers vouch for it: a
+verified set of ``k * f`` consecutive ranks contains every aligned run of ``f``."""
+
+
+def vouching_replicas(factor: int) -> tuple[int, ...]:
+    """Replica-set sizes whose agreement vouches for a group with ``factor``: its multiples in
+    :data:`VOUCHING_MULTIPLES`, smallest first."""
+    return tuple(factor * multiple for multiple in VOUCHING_MULTIPLES)
 
 
 def demotion_key(plan: Plan, group: int, *, pcp_rank: int = 0, pp_rank: int = 0) -> str:

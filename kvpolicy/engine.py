@@ -57,17 +57,7 @@ def make_plan(
         _decide_group(policy, group, index, variables, topology, demoted=index in demoted)
         for index, group in enumerate(layout.groups)
     ]
-    digest = fingerprint(
-        {
-            "template": policy.key.template,
-            "schedule": policy.schedule.value,
-            "topology": {"pp": topology.pp_size, "pcp": topology.pcp_size, "dcp": topology.dcp_size},
-            "groups": [
-                {"factor": decision.factor, "shards": topology.tp_size // decision.factor, "specs": decision.signature}
-                for decision in decided
-            ],
-        }
-    )
+    digest = fingerprint(stored_bytes_identity(policy, topology, decided))
     skeleton = Plan(
         policy=policy.name,
         model=layout.model,
@@ -85,6 +75,31 @@ def make_plan(
         for index, (group, decision) in enumerate(zip(layout.groups, decided, strict=True))
     )
     return dataclasses.replace(skeleton, groups=groups)
+
+
+def stored_bytes_identity(
+    policy: Policy, topology: Topology, decided: Iterable[GroupDecision]
+) -> dict[str, object]:
+    """What the plan fingerprint hashes: everything that decides which bytes a stored object holds
+    and where it is addressed, and nothing else.
+
+    * the key template (how namespaces are spelled);
+    * per group, in order: its distinct shards over TP (``tp_size // factor``: shard ``s`` holds the
+      same bytes under every TP size with that many shards) and each member spec's signature (class,
+      block size, per-rank page size, fields, layer count);
+    * the pp, pcp and dcp sizes (which layers and which tokens a rank holds).
+
+    Not the TP size or the factor themselves: an MQA model at TP 4 and at TP 2 stores one shard of
+    identical bytes, so both instances share objects. Not the write schedule: it decides which rank
+    writes a chunk, not what the chunk holds. Not the policy's name, rules or audit settings.
+    """
+    return {
+        "template": policy.key.template,
+        "topology": {"pp": topology.pp_size, "pcp": topology.pcp_size, "dcp": topology.dcp_size},
+        "groups": [
+            {"shards": topology.tp_size // decision.factor, "specs": decision.signature} for decision in decided
+        ],
+    }
 
 
 def _decide_group(

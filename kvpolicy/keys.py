@@ -72,11 +72,12 @@ AGREEMENT_MARKER = "kvpolicy-audit-agreed"
 DEMOTION_MARKER = "kvpolicy-audit-demoted"
 
 
-def marker_key(namespace: str, marker: str, fingerprint: str) -> str:
+def marker_key(namespace: str, marker: str, fingerprint: str, *, replicas: int | None = None) -> str:
     """An audit marker in ``namespace``: ``marker`` (:data:`AGREEMENT_MARKER` or
-    :data:`DEMOTION_MARKER`) about the plan with ``fingerprint``. It sits beside the namespace's chunk
-    keys but never collides with one: a chunk hash is hex, a marker name is not."""
-    return f"{namespace}@{marker}@{fingerprint}"
+    :data:`DEMOTION_MARKER`) about the plan with ``fingerprint``, and for an agreement the size of the
+    replica sets it verified. It sits beside the namespace's chunk keys but never collides with one:
+    a chunk hash is hex, a marker name is not."""
+    return f"{namespace}@{marker}@{fingerprint}" + (f"@x{replicas}" if replicas is not None else "")
 
 
 def fingerprint(payload: Any) -> str:

@@ -79,6 +79,7 @@ from kvpolicy.audit import (
     Digest,
     StepOutcome,
     agreement_key,
+    vouching_replicas,
     demotion_key,
     digest_blocks,
     distances_to_reference,
@@ -468,11 +469,13 @@ class LookupGate:
         self.closed_lookups = 0
         """Lookups refused so far."""
 
-    def required_keys(self, state: AuditState) -> list[str]:
-        """Agreement markers a lookup still needs under ``state``'s current plan."""
+    def required(self, state: AuditState) -> list[tuple[str, ...]]:
+        """What a lookup still needs under ``state``'s current plan: per (group, pcp, pp) namespace not
+        yet vouched for, the agreement markers any one of which would vouch for it (replica sets of
+        the group's factor or a multiple of it, :func:`~kvpolicy.audit.vouching_replicas`)."""
         plan = state.plan
         topology = plan.topology
-        keys: list[str] = []
+        needed: list[tuple[str, ...]] = []
         for group, status in state.statuses.items():
             if status not in (*UNTRUSTED, AuditStatus.AGREED):
                 continue  # factor 1, demoted, or a policy that trusts itself (audit: off)
@@ -480,18 +483,23 @@ class LookupGate:
                 for pp_rank in range(topology.pp_size):
                     if status is AuditStatus.AGREED and (pcp_rank, pp_rank) == self._own:
                         continue  # this instance's own audit verified it
-                    key = agreement_key(plan, group, pcp_rank=pcp_rank, pp_rank=pp_rank)
-                    if key not in self._vouched:
-                        keys.append(key)
-        return keys
+                    candidates = tuple(
+                        agreement_key(plan, group, pcp_rank=pcp_rank, pp_rank=pp_rank, replicas=replicas)
+                        for replicas in vouching_replicas(plan.groups[group].factor)
+                    )
+                    if candidates[0] not in self._vouched:
+                        needed.append(candidates)
+        return needed
 
     def open(self, state: AuditState, store: Any) -> bool:
         """Whether a lookup may run now; checks the store for the markers it still needs."""
-        keys = self.required_keys(state)
-        if keys:
-            present = store.batch_is_exist(keys)
-            self._vouched.update(key for key, found in zip(keys, present, strict=True) if found == 1)
-            if not all(found == 1 for found in present):
+        needed = self.required(state)
+        if needed:
+            keys = [key for candidates in needed for key in candidates]
+            present = dict(zip(keys, store.batch_is_exist(keys), strict=True))
+            vouched = [candidates for candidates in needed if any(present[key] == 1 for key in candidates)]
+            self._vouched.update(candidates[0] for candidates in vouched)
+            if len(vouched) < len(needed):
                 self.closed_lookups += 1
                 return False
         return True

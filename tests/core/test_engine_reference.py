@@ -227,8 +227,9 @@ def test_fingerprint_changes_with_a_factor():
     assert fingerprint_of(changed) != fingerprint_of()
 
 
-def test_fingerprint_changes_with_the_schedule():
-    assert fingerprint_of(BASE_POLICY + "    schedule: leader\n") != fingerprint_of()
+def test_fingerprint_ignores_the_write_schedule():
+    # Which rank writes a chunk does not change what the chunk holds or where it is stored.
+    assert fingerprint_of(BASE_POLICY + "    schedule: leader\n") == fingerprint_of()
 
 
 def test_fingerprint_changes_with_the_key_template():
@@ -248,8 +249,31 @@ def test_fingerprint_changes_with_the_page_size():
     )
 
 
-def test_fingerprint_changes_with_the_tp_size():
+def test_fingerprint_changes_with_the_tp_size_when_the_shards_do():
+    # The full-attention group is sharded: 2 shards at TP 2, 4 at TP 4, each holding other bytes.
     assert fingerprint_of(tp_size=2) != fingerprint_of(tp_size=4)
+
+
+@pytest.mark.parametrize("tp_sizes", [(2, 4), (1, 8), (4, 16)])
+def test_identical_stored_bytes_at_two_tp_sizes_share_the_fingerprint(tp_sizes):
+    # An MQA model: one KV head, repeated on every rank, and an MLA latent: one shard at any TP size.
+    mqa = layout(mla(), full(num_kv_heads=1), heads=1)
+    default = load_policy("default")
+    small, large = (make_plan(default, mqa, Topology(tp_size=tp)) for tp in tp_sizes)
+    assert small.factors != large.factors and small.fingerprint == large.fingerprint
+
+
+def test_a_kv_head_split_differently_at_two_tp_sizes_changes_the_fingerprint():
+    gqa = layout(full(num_kv_heads=8), heads=8)
+    default = load_policy("default")
+    assert make_plan(default, gqa, Topology(tp_size=2)).fingerprint != make_plan(default, gqa, Topology(tp_size=4)).fingerprint
+
+
+def test_a_head_repeated_over_more_ranks_keeps_the_fingerprint():
+    # 2 KV heads: shard s holds head s at TP 2 (one rank each) and at TP 4 (ranks 2s and 2s + 1).
+    gqa = layout(full(num_kv_heads=1), heads=2)
+    default = load_policy("default")
+    assert make_plan(default, gqa, Topology(tp_size=2)).fingerprint == make_plan(default, gqa, Topology(tp_size=4)).fingerprint
 
 
 def test_fingerprint_ignores_policy_and_rule_names_reasons_and_descriptions():

@@ -698,7 +698,7 @@ def test_layout_errors_are_located_too():
         version: 1
         kind: ModelLayout
         model: org/m
-        total_num_kv_heads: 0
+        total_num_kv_heads: -1
         groups:
           - spec:
               type: MambaSpec

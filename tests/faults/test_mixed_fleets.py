@@ -42,7 +42,6 @@ DIFFERENT_PLANS: dict[str, tuple[Side, Side, str]] = {
     "no-dedup-then-default": (("no-dedup", 2), ("default", 2), "kimi-linear"),
     "default-tp2-then-tp4": (("default", 2), ("default", 4), "kimi-linear"),
     "default-tp4-then-tp2": (("default", 4), ("default", 2), "kimi-linear"),
-    "default-tp2-then-tp4-uniform": (("default", 2), ("default", 4), "uniform-mla-full"),
     "default-then-vllm-compat": (("default", 2), ("vllm-compat", 2), "kimi-linear"),
     "vllm-compat-then-default": (("vllm-compat", 2), ("default", 2), "kimi-linear"),
 }
@@ -146,6 +145,48 @@ def test_instances_with_identical_plans_share_hits(run: Run) -> None:
 def test_instances_with_identical_plans_load_the_right_bytes(run: Run) -> None:
     report = run(*IDENTICAL)
     assert report.verdict.blocks_checked > 0 and report.verdict.correct, describe(report)
+
+
+# --- identical bytes at different TP sizes -------------------------------------------------------
+
+# Every group holds the same bytes per shard at both sizes: the MLA latent is one shard at any TP, and
+# the 2-KV-head layers are 2 shards (one head each) at TP 2 and at TP 4 (each head on two ranks).
+SAME_BYTES_ACROSS_TP: dict[str, tuple[Side, Side, str]] = {
+    "mla-tp4-then-tp2": (("default", 4), ("default", 2), "mla"),
+    "uniform-tp4-then-tp2": (("default", 4), ("default", 2), "uniform-mla-full"),
+}
+
+
+@pytest.mark.parametrize("pair", SAME_BYTES_ACROSS_TP)
+def test_instances_at_different_tp_sizes_holding_the_same_bytes_share_a_fingerprint(run: Run, pair: str) -> None:
+    report = run(*SAME_BYTES_ACROSS_TP[pair])
+    assert report.saver_tp != report.loader_tp and report.saver_fingerprint == report.loader_fingerprint
+
+
+@pytest.mark.parametrize("pair", SAME_BYTES_ACROSS_TP)
+def test_instances_at_different_tp_sizes_holding_the_same_bytes_share_hits_with_the_right_bytes(
+    run: Run, pair: str
+) -> None:
+    report = run(*SAME_BYTES_ACROSS_TP[pair])
+    assert report.hit_tokens == FULL_HIT
+    assert report.verdict.blocks_checked > 0 and report.verdict.correct, describe(report)
+
+
+# The loader repeats a shard over more ranks than any saver's audit checked: the TP 2 uniform saver
+# holds every head once (it audited nothing), the TP 2 MLA saver verified pairs of ranks, not fours.
+UNVERIFIED_AT_THE_LOADERS_SIZE: dict[str, tuple[Side, Side, str]] = {
+    "mla-tp2-then-tp4": (("default", 2), ("default", 4), "mla"),
+    "uniform-tp2-then-tp4": (("default", 2), ("default", 4), "uniform-mla-full"),
+}
+
+
+@pytest.mark.parametrize("pair", UNVERIFIED_AT_THE_LOADERS_SIZE)
+def test_an_agreement_over_smaller_replica_sets_does_not_vouch_for_larger_ones(run: Run, pair: str) -> None:
+    # Same bytes and fingerprint, but the lookup gate keeps the loader from the shared namespace until
+    # an audit of its own replica-set size (or a multiple) agrees.
+    report = run(*UNVERIFIED_AT_THE_LOADERS_SIZE[pair])
+    assert report.saver_fingerprint == report.loader_fingerprint
+    assert report.hit_tokens == 0 and report.verdict.correct, describe(report)
 
 
 # --- vLLM's own key format across TP sizes -------------------------------------------------------

@@ -214,6 +214,24 @@ def test_the_gate_opens_on_another_instances_agreement(kimi_plan, clients: Clien
         clients.release([client])
 
 
+@pytest.mark.parametrize("verified, opens", [(8, True), (16, True), (2, False)])
+def test_the_gate_takes_agreements_over_replica_sets_at_least_as_large_as_its_own(
+    kimi_plan, clients: ClientPool, verified: int, opens: bool
+) -> None:
+    # kimi_plan's MLA group (3) has factor 4: a verified set of 8 ranks contains two sets of 4; a
+    # verified pair says nothing about the other two ranks of a set of 4.
+    state = AuditState(kimi_plan, replan=lambda demoted: kimi_plan)
+    key = agreement_key(kimi_plan, 3, replicas=verified)
+    (client,) = clients.acquire(1)
+    try:
+        client.remove(agreement_key(kimi_plan, 3), True)
+        assert client.put(key, b"agreed") == 0
+        assert online_audit.LookupGate().open(state, client) is opens
+    finally:
+        client.remove(key, True)
+        clients.release([client])
+
+
 def test_the_gate_stays_open_under_audit_off(clients: ClientPool) -> None:
     compat = make_plan(load_policy("vllm-compat"), load_layout("kimi-linear-48b-a3b"), Topology(tp_size=4))
     (client,) = clients.acquire(1)
