@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvpolicy.diagnostics import PlanError
 from kvpolicy.expressions import ExpressionError, Value
@@ -27,8 +27,12 @@ class GroupDecision:
 
     layer_decisions: tuple[LayerDecision, ...]
     """One decision per layer, in the group's layer order."""
+    head_factor: int
+    """Consecutive TP ranks that repeat the group's heads: the gcd of its layers' factors, or 1 when
+    the group is demoted."""
     factor: int
-    """The group's replication factor: the gcd of its layers' factors, or 1 when the group is demoted."""
+    """Ranks per replica set: ``head_factor`` within one DCP token shard (``head_factor // dcp_size``,
+    or 1 when the run is shorter than ``dcp_size``)."""
     bytes_per_token_per_rank: float
     """KV bytes one token occupies on one TP rank, summed over the group's layers."""
     signature: tuple[dict[str, object], ...]
@@ -142,19 +146,30 @@ def _decide_group(
                 LayerDecision(layer, first.spec_type, first.rule, first.origin, first.factor, first.passed_over)
                 for layer in member.layers
             )
-    factor = math.gcd(*(decision.factor for decision in decisions))
-    if topology.dcp_size > 1 and factor > 1 and not demoted:
-        culprit = next(decision for decision in decisions if decision.factor > 1)
-        raise PlanError(
-            f"{label}: rule '{culprit.rule}' ({culprit.origin}) gives factor {factor} with dcp_size "
-            f"{topology.dcp_size}; under decode-context parallelism consecutive TP ranks hold different "
-            "tokens, so no replica set exists — add a rule 'when: dcp_size > 1' giving 'sharded'"
-        )
+    head_factor = 1 if demoted else math.gcd(*(decision.factor for decision in decisions))
     return GroupDecision(
         layer_decisions=tuple(decisions),
-        factor=1 if demoted else factor,
+        head_factor=head_factor,
+        factor=_replica_set_size(head_factor, topology, decisions, label),
         bytes_per_token_per_rank=per_rank_bytes,
         signature=tuple(signature),
+    )
+
+
+def _replica_set_size(head_factor: int, topology: Topology, decisions: Sequence[LayerDecision], label: str) -> int:
+    """Ranks per replica set. Decode-context parallelism splits tokens over TP (``dcp_rank ==
+    tp_rank % dcp_size``), so of ``head_factor`` consecutive ranks repeating a head only those of
+    equal dcp rank hold the same bytes: every ``dcp_size``-th one."""
+    dcp_size = topology.dcp_size
+    if head_factor % dcp_size == 0:
+        return head_factor // dcp_size
+    if dcp_size % head_factor == 0:
+        return 1
+    culprit = next(decision for decision in decisions if decision.factor % dcp_size and dcp_size % decision.factor)
+    raise PlanError(
+        f"{label}: rule '{culprit.rule}' ({culprit.origin}) repeats heads over {head_factor} consecutive TP ranks "
+        f"with dcp_size {dcp_size}: the ranks of equal dcp rank among them would form replica sets of different "
+        "sizes; give a factor that divides dcp_size or that dcp_size divides"
     )
 
 
@@ -224,23 +239,27 @@ def _group_plan(
     *,
     demoted: bool,
 ) -> GroupPlan:
-    factor, per_rank_bytes = decision.factor, decision.bytes_per_token_per_rank
+    head_factor, factor, per_rank_bytes = decision.head_factor, decision.factor, decision.bytes_per_token_per_rank
     topology = skeleton.topology
-    tp_size = topology.tp_size
+    tp_size, dcp_size = topology.tp_size, topology.dcp_size
     shards = tp_size // factor
+    replica_sets = [_replica_set(rank, head_factor, dcp_size) for rank in range(tp_size)]
     ranks = tuple(
         RankAssignment(
             tp_rank=rank,
-            shard=rank // factor,
-            replica_set=tuple(range(rank - rank % factor, rank - rank % factor + factor)),
-            schedule=_schedule(skeleton.schedule, rank, index, factor),
+            shard=rank // head_factor,
+            replica_set=replica_sets[rank],
+            schedule=_schedule(skeleton.schedule, rank // dcp_size, index, factor, leader=replica_sets[rank][0] == rank),
+            stripe_rank=rank // dcp_size,
         )
         for rank in range(tp_size)
     )
+    # One namespace per replica set, named by its first rank: (head shard, dcp rank) tell sets apart.
+    leaders = sorted({replica_set[0] for replica_set in replica_sets})
     lookup = tuple(
-        skeleton._prefix(index, shard, shard * factor, pcp_rank, pp_rank, demoted)
+        skeleton._prefix(index, leader // head_factor, leader, pcp_rank, pp_rank, demoted)
         for pcp_rank in range(topology.pcp_size)
-        for shard in range(shards)
+        for leader in leaders
         for pp_rank in range(topology.pp_size)
     )
     copies = factor if skeleton.schedule is Schedule.ALL else 1
@@ -261,10 +280,20 @@ def _group_plan(
     )
 
 
-def _schedule(kind: Schedule, tp_rank: int, group: int, factor: int) -> WriteSchedule:
+def _replica_set(tp_rank: int, head_factor: int, dcp_size: int) -> tuple[int, ...]:
+    """The ranks holding ``tp_rank``'s bytes: of its run of ``head_factor`` ranks repeating the same
+    heads, those of its dcp rank."""
+    start = tp_rank - tp_rank % head_factor
+    return tuple(rank for rank in range(start, start + head_factor) if rank % dcp_size == tp_rank % dcp_size)
+
+
+def _schedule(kind: Schedule, stripe_rank: int, group: int, factor: int, *, leader: bool) -> WriteSchedule:
+    """``stripe_rank`` (``tp_rank // dcp_size``) numbers the members of a replica set consecutively:
+    vLLM's send thread writes chunk ``c`` of a group from the member with ``(stripe_rank + group) %
+    factor == c % factor``."""
     if kind is Schedule.STRIPED:
-        return WriteSchedule(kind, step=factor, phase=(tp_rank + group) % factor, active=True)
+        return WriteSchedule(kind, step=factor, phase=(stripe_rank + group) % factor, active=True)
     if kind is Schedule.LEADER:
-        return WriteSchedule(kind, step=1, phase=0, active=tp_rank % factor == 0)
+        return WriteSchedule(kind, step=1, phase=0, active=leader)
     return WriteSchedule(kind, step=1, phase=0, active=True)
 

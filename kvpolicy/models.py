@@ -201,7 +201,7 @@ class Replication(str, Enum):
     SHARDED = "sharded"
     """Every TP rank holds distinct bytes: factor 1."""
     REPLICATED = "replicated"
-    """Every TP rank holds the same bytes: factor tp_size."""
+    """Every TP rank holds the same heads: factor tp_size (under DCP, ranks of equal dcp rank share bytes)."""
 
 
 class Schedule(str, Enum):
@@ -251,7 +251,8 @@ class Rule(StrictModel):
     replication: Replication | None = None
     """``sharded`` (factor 1) or ``replicated`` (factor tp_size)."""
     factor: ExpressionText | None = None
-    """Expression for the replication factor: TP ranks that hold byte-identical bytes."""
+    """Expression for the replication factor: consecutive TP ranks that repeat the same heads. Under
+    decode-context parallelism the plan keeps only those of equal dcp rank together (same tokens)."""
     shards: ExpressionText | None = None
     """Expression for the number of distinct shards over TP; the factor is tp_size // shards."""
 

@@ -45,8 +45,12 @@ class RankAssignment:
     shard: int
     """Index of the distinct shard this rank holds; the key's ``tp_rank`` field."""
     replica_set: tuple[int, ...]
-    """TP ranks holding byte-identical bytes for this group, this rank included."""
+    """TP ranks holding byte-identical bytes for this group, this rank included: consecutive ranks
+    repeating the same heads, and under decode-context parallelism only those of equal dcp rank."""
     schedule: WriteSchedule
+    stripe_rank: int
+    """The rank vLLM's send thread stripes chunks by (``tp_rank // dcp_size``): consecutive within a
+    replica set, so ``(stripe_rank + group) % factor`` gives every member its own phase."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +62,9 @@ class GroupPlan:
     uniform: bool
     decisions: tuple[LayerDecision, ...]
     factor: int
-    """TP ranks that hold byte-identical bytes for this group."""
+    """TP ranks that hold byte-identical bytes for this group: the size of each replica set."""
     shards: int
-    """Distinct shards over TP: tp_size // factor."""
+    """Distinct byte sets (replica sets) over TP: tp_size // factor."""
     ranks: tuple[RankAssignment, ...]
     lookup_namespaces: tuple[str, ...]
     """Key prefixes that must all hold a chunk for it to count as a hit."""

@@ -27,6 +27,7 @@ __all__ = [
     "group_participates",
     "group_put_steps",
     "lookup_key_prefixes",
+    "send_thread_rank",
 ]
 
 
@@ -141,20 +142,32 @@ def build_token_databases(
 def _send_thread_step(group: GroupPlan) -> int:
     """The put step vLLM's send thread must use for ``group``, checked against every rank.
 
-    The send thread derives a rank's phase as ``(tp_rank + group) % step``; a schedule whose phases
-    follow another rule cannot be expressed, so it is refused rather than silently mis-striped.
+    The send thread derives a rank's phase as ``(tp_rank + group) % step`` from its own ``tp_rank``
+    attribute, which the worker sets to the plan's stripe rank (:func:`send_thread_rank`); a schedule
+    whose phases follow another rule cannot be expressed, so it is refused rather than mis-striped.
     """
     steps = {rank.schedule.step for rank in group.ranks}
     if len(steps) != 1:
         raise ValueError(f"group {group.index}: ranks use different put steps {sorted(steps)}")
     (step,) = steps
     for rank in group.ranks:
-        if rank.schedule.phase != (rank.tp_rank + group.index) % step:
+        if rank.schedule.phase != (rank.stripe_rank + group.index) % step:
             raise ValueError(
                 f"group {group.index}: rank {rank.tp_rank} has phase {rank.schedule.phase}, but vLLM's send "
-                f"thread uses (tp_rank + group) % step = {(rank.tp_rank + group.index) % step}"
+                f"thread uses (stripe rank + group) % step = {(rank.stripe_rank + group.index) % step}"
             )
     return step
+
+
+def send_thread_rank(plan: Plan, tp_rank: int) -> int:
+    """What ``KVCacheStoreSendingThread.tp_rank`` must hold for ``tp_rank`` (the thread reads it only
+    to compute its put phase): the plan's stripe rank, the same in every group. Under DCP it is
+    ``tp_rank // dcp_size``, so the members of a strided replica set get consecutive phases."""
+    stripe_ranks = {group.ranks[tp_rank].stripe_rank for group in plan.groups}
+    if len(stripe_ranks) != 1:
+        raise ValueError(f"tp_rank {tp_rank} has different stripe ranks {sorted(stripe_ranks)} across groups")
+    (stripe_rank,) = stripe_ranks
+    return stripe_rank
 
 
 def group_put_steps(plan: Plan) -> tuple[int, ...]:

@@ -311,7 +311,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
     def _bind(self, plan: Plan) -> None:
         """Point every plan-dependent part of this worker at ``plan``: factors, token databases (key
         prefixes and shard ids, keeping the registered regions), lookup prefixes, and the send
-        thread's put steps and participation. The one place a plan is written into upstream's
+        thread's put steps, stripe rank and participation. The one place a plan is written into upstream's
         attributes after ``__init__``: after registration, and after an audit demotion. Call it while
         no save or load is in flight: the send thread reads all of these per job."""
         self._plan = plan
@@ -335,6 +335,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._lookup_key_prefixes = store.lookup_key_prefixes(plan)
         thread = self.kv_send_thread
         if thread is not None:
+            thread.tp_rank = store.send_thread_rank(plan, self.tp_rank)
             thread.group_put_steps = store.group_put_steps(plan)
             thread.group_participates = store.group_participates(
                 plan, self.tp_rank, [group.kv_cache_spec.prefix_cacheable for group in self._kv_cache_groups]

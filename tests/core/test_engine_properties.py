@@ -43,7 +43,7 @@ layouts = st.builds(
 @st.composite
 def topologies(draw):
     tp = draw(st.sampled_from([1, 2, 4, 8, 16]))
-    dcp = draw(st.sampled_from([1, 1, 1, 2])) if tp % 2 == 0 else 1
+    dcp = draw(st.sampled_from([dcp for dcp in (1, 1, 1, 2, 4) if tp % dcp == 0]))
     return Topology(tp_size=tp, pp_size=draw(st.sampled_from([1, 2])), pcp_size=draw(st.sampled_from([1, 2])),
                     dcp_size=dcp)
 
@@ -63,23 +63,25 @@ def chunks(factor: int) -> range:
 
 @SETTINGS
 @given(layouts, topologies(), policies, st.sets(st.integers(0, 5), max_size=2))
-def test_replica_sets_are_consecutive_ranks_that_tile_tp_and_share_one_shard(the_layout, topology, policy, demoted):
+def test_replica_sets_tile_tp_in_equal_sets_that_share_heads_tokens_and_one_namespace(
+    the_layout, topology, policy, demoted
+):
     the_plan = make_plan(policy, the_layout, topology, demoted=demoted)
-    tp = topology.tp_size
+    tp, dcp = topology.tp_size, topology.dcp_size
     for group in the_plan.groups:
         f = group.factor
-        assert f >= 1 and tp % f == 0
+        assert f >= 1 and tp % f == 0 and group.shards * f == tp
         if group.index in demoted:
             assert f == 1 and group.demoted
-        assert group.shards * f == tp
-        for rank in group.ranks:
-            first = rank.tp_rank - rank.tp_rank % f
-            assert rank.replica_set == tuple(range(first, first + f))
+        sets = {rank.replica_set for rank in group.ranks}
+        assert sorted(r for replica_set in sets for r in replica_set) == list(range(tp))  # a partition
+        assert {len(replica_set) for replica_set in sets} == {f}
         prefixes = [the_plan.key_prefix(group.index, rank) for rank in range(tp)]
         for a in range(tp):
             for b in range(tp):
-                same_set = a // f == b // f
-                assert (group.ranks[a].shard == group.ranks[b].shard) is same_set
+                same_set = b in group.ranks[a].replica_set
+                if same_set:  # a replica set never mixes DCP token shards
+                    assert a % dcp == b % dcp and group.ranks[a].shard == group.ranks[b].shard
                 assert (prefixes[a] == prefixes[b]) is same_set
 
 
@@ -90,14 +92,15 @@ def test_schedule_decides_who_writes_each_chunk(the_layout, topology, policy):
     tp = topology.tp_size
     for group in the_plan.groups:
         f = group.factor
+        sets = {rank.replica_set for rank in group.ranks}
         for chunk in chunks(f):
             writers = set(group.writers(chunk))
             if policy.schedule is Schedule.STRIPED:
-                # each (group, shard, chunk) is written by exactly one member of the shard's replica set
-                for shard in range(tp // f):
-                    assert len(writers & set(range(shard * f, shard * f + f))) == 1, (group.index, shard, chunk)
+                # each (group, replica set, chunk) is written by exactly one member of the set
+                for replica_set in sets:
+                    assert len(writers & set(replica_set)) == 1, (group.index, replica_set, chunk)
             elif policy.schedule is Schedule.LEADER:
-                assert writers == {shard * f for shard in range(tp // f)}
+                assert writers == {replica_set[0] for replica_set in sets}
             else:
                 assert writers == set(range(tp))
         if policy.schedule is Schedule.STRIPED:
@@ -138,7 +141,7 @@ def test_vllm_compat_reproduces_upstream_factors(the_layout, topology):
 
 @settings(max_examples=100, deadline=None)
 @given(layouts, topologies(), policies)
-def test_decode_context_parallelism_and_no_dedup_always_give_factor_one(the_layout, topology, policy):
+def test_no_dedup_always_and_vllm_compat_under_dcp_give_factor_one(the_layout, topology, policy):
     factors = set(make_plan(policy, the_layout, topology).factors)
-    if topology.dcp_size > 1 or policy.name == "no-dedup":
+    if policy.name == "no-dedup" or (policy.name == "vllm-compat" and topology.dcp_size > 1):
         assert factors == {1}

@@ -35,10 +35,17 @@ def test_full_attention_and_mamba_at_tp2_with_one_kv_head():
     assert factors(VLLM_COMPAT, layout(full(), mamba(), heads=1), tp_size=2) == (2, 1)
 
 
-@pytest.mark.parametrize("policy_", [VLLM_COMPAT, DEFAULT, NO_DEDUP], ids=lambda p: p.name)
-def test_decode_context_parallelism_makes_every_group_sharded(policy_):
+@pytest.mark.parametrize("policy_", [VLLM_COMPAT, NO_DEDUP], ids=lambda p: p.name)
+def test_vllm_compat_and_no_dedup_make_every_group_sharded_under_dcp(policy_):
+    # Upstream's rule under decode-context parallelism (vllm#51386): every factor 1.
     the_layout = layout(mla(), full(), mamba(tp_replicated=True), [mla(), full()], heads=1)
     assert factors(policy_, the_layout, tp_size=4, dcp_size=2) == (1, 1, 1, 1)
+
+
+def test_default_keeps_ranks_of_equal_dcp_rank_together_under_dcp():
+    # tp 8, dcp 2: an MLA latent (or a head on every rank) is identical on the 4 ranks of each dcp rank.
+    the_layout = layout(mla(), full(), mamba(tp_replicated=True), [mla(), full()], mamba(), heads=1)
+    assert factors(DEFAULT, the_layout, tp_size=8, dcp_size=2) == (4, 4, 4, 4, 1)
 
 
 @pytest.mark.parametrize("policy_", [VLLM_COMPAT, DEFAULT, NO_DEDUP], ids=lambda p: p.name)
@@ -377,10 +384,38 @@ def test_non_strict_policy_applies_unmatched():
     assert make_plan(policy(replicated), layout(mamba(), full(), heads=1), Topology(tp_size=4)).factors == (1, 4)
 
 
-def test_factor_above_one_under_dcp_is_refused():
-    text = ONE_RULE.format(outcome="replication: replicated")
-    message = refusal(text, layout(mamba(), heads=1), dcp_size=2)
-    assert "group 0" in message and "'the-rule'" in message and "dcp_size" in message
+def test_replicated_under_dcp_makes_strided_replica_sets_one_namespace_each():
+    the_plan = make_plan(policy(ONE_RULE.format(outcome="replication: replicated")), layout(mla(), heads=1),
+                         Topology(tp_size=8, dcp_size=2))
+    (group,) = the_plan.groups
+    assert (group.factor, group.shards) == (4, 2)
+    assert {rank.replica_set for rank in group.ranks} == {(0, 2, 4, 6), (1, 3, 5, 7)}
+    assert [namespace.split("@", 1)[1] for namespace in group.lookup_namespaces] == [
+        "tp_rank:0@pcp0@dcp0@pp_rank:0@group:0",
+        "tp_rank:0@pcp0@dcp1@pp_rank:0@group:0",
+    ]
+
+
+def test_striping_under_dcp_gives_every_chunk_one_writer_per_dcp_rank():
+    the_plan = make_plan(policy(ONE_RULE.format(outcome="replication: replicated")), layout(mla(), heads=1),
+                         Topology(tp_size=8, dcp_size=2))
+    (group,) = the_plan.groups
+    assert [group.writers(chunk) for chunk in range(4)] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [rank.stripe_rank for rank in group.ranks] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_a_head_run_shorter_than_dcp_leaves_every_rank_its_own_set():
+    the_plan = make_plan(policy(ONE_RULE.format(outcome="factor: 2")), layout(full(), heads=4),
+                         Topology(tp_size=8, dcp_size=4))
+    (group,) = the_plan.groups
+    assert (group.factor, group.shards) == (1, 8)
+    assert len(set(group.lookup_namespaces)) == 8
+
+
+def test_a_head_run_that_dcp_neither_divides_nor_is_divided_by_is_refused():
+    message = refusal(ONE_RULE.format(outcome="factor: 6"), layout(full(), heads=2), tp_size=12, dcp_size=4)
+    assert "group 0" in message and "'the-rule'" in message
+    assert "6 consecutive TP ranks with dcp_size 4" in message and "different sizes" in message
 
 
 # --- demotion (the audit's fallback) ------------------------------------------------------------

@@ -53,7 +53,7 @@ def renamed_default(directory: Path) -> Path:
     text = (policies_dir() / "default.yaml").read_text(encoding="utf-8")
     text = text.replace("name: default", "name: site-replication")
     rules = (
-        "dcp-token-shards", "mamba-declared-replicated", "mamba-state", "mla-latent", "declared-max-shards", "kv-heads"
+        "mamba-declared-replicated", "mamba-state", "mla-latent", "declared-max-shards", "kv-heads"
     )
     for number, rule in enumerate(rules, start=1):
         assert f"- name: {rule}\n" in text, rule

@@ -487,8 +487,10 @@ def test_policy_worker_refuses_vllms_tp_sharded_store_layout() -> None:
 
 
 def hint_free(param: Any) -> bool:
-    """No replication hint set and no plugin class: the cases where default must equal compat."""
-    return not any(hint in param.id for hint in ("tp_replicated", "max_tp_shards", "plugin", "Plugin"))
+    """No replication hint set, no plugin class and no DCP: the cases where default must equal compat.
+    (Under DCP vLLM's rule makes every factor 1, vllm#51386; default keeps ranks of equal dcp rank
+    together, see the DCP tests below.)"""
+    return not any(hint in param.id for hint in ("tp_replicated", "max_tp_shards", "plugin", "Plugin", "dcp"))
 
 
 HINT_FREE_CASES = [param for param in CASES if hint_free(param)]
@@ -515,6 +517,15 @@ def test_default_lookup_prefixes_differ_from_compat_only_by_the_plan_fingerprint
         tuple(prefix.replace("@tp_rank:", f"@plan:{default.fingerprint}@tp_rank:") for prefix in group)
         for group in store.lookup_key_prefixes(plan_for(COMPAT, case))
     )
+
+
+@pytest.mark.parametrize("tp, dcp, expected", [(2, 2, 1), (4, 2, 2), (8, 2, 4), (8, 4, 2)])
+def test_default_writes_mla_once_per_dcp_rank_where_compat_and_upstream_write_it_on_every_rank(
+    tp: int, dcp: int, expected: int
+) -> None:
+    case = Case((mla(),), tp=tp, heads=1, dcp=dcp)
+    assert factors(case) == ((expected,), (1,), (1,))
+    assert len(plan_for(DEFAULT, case).groups[0].lookup_namespaces) == dcp
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -547,6 +558,8 @@ SCHEDULE_CASES = {
     "mla+full+mamba-tp8-heads2": Case((mla(), full(), mamba()), tp=8, heads=2),
     "uniform{mla,full}+mla-tp4-heads1": Case((uniform(mla(), full()), mla()), tp=4, heads=1),
     "full-tp2-dcp2": Case((full(),), tp=2, heads=1, dcp=2),
+    "mla+full+mamba-tp8-dcp2": Case((mla(), full(), mamba()), tp=8, heads=1, dcp=2),
+    "mla+full-tp8-dcp4-heads2": Case((mla(), full()), tp=8, heads=2, dcp=4),
 }
 
 
@@ -555,7 +568,8 @@ def scheduled(policy: Policy, schedule: Schedule) -> Policy:
 
 
 def send_thread_chunks(plan: Plan, case: Case, tp_rank: int, group: int, mask_num: int) -> set[int]:
-    """The chunk indices KVCacheStoreSendingThread._handle_request stores for (rank, group)."""
+    """The chunk indices KVCacheStoreSendingThread._handle_request stores for (rank, group), with its
+    ``tp_rank`` attribute as the worker sets it (``store.send_thread_rank``)."""
     steps = store.group_put_steps(plan)
     if not store.group_participates(plan, tp_rank, [True] * len(plan.groups))[group]:
         return set()
@@ -564,7 +578,8 @@ def send_thread_chunks(plan: Plan, case: Case, tp_rank: int, group: int, mask_nu
     return {
         start // database.block_size
         for start, _, _ in database.process_tokens(
-            NUM_CHUNKS * BLOCK, HASHES, mask_num, put_step=step, put_step_rank=(tp_rank + group) % step
+            NUM_CHUNKS * BLOCK, HASHES, mask_num, put_step=step,
+            put_step_rank=(store.send_thread_rank(plan, tp_rank) + group) % step
         )
     }
 
@@ -581,6 +596,23 @@ def test_send_thread_writes_exactly_the_chunks_the_plan_schedules(
         for rank in group_plan.ranks:
             expected = {chunk for chunk in range(first, NUM_CHUNKS) if rank.schedule.writes(chunk)}
             assert send_thread_chunks(plan, case, rank.tp_rank, group, mask_num) == expected, (group, rank.tp_rank)
+
+
+def test_every_chunk_has_one_writer_per_replica_set_under_dcp() -> None:
+    case = SCHEDULE_CASES["mla+full+mamba-tp8-dcp2"]
+    plan = plan_for(DEFAULT, case)
+    for group, group_plan in enumerate(plan.groups):
+        chunks = {rank.tp_rank: send_thread_chunks(plan, case, rank.tp_rank, group, 0) for rank in group_plan.ranks}
+        for replica_set in {rank.replica_set for rank in group_plan.ranks}:
+            written = sorted(chunk for member in replica_set for chunk in chunks[member])
+            assert written == list(range(NUM_CHUNKS)), (group, replica_set)
+
+
+def test_the_send_thread_rank_is_the_tp_rank_without_dcp_and_its_dcp_stripe_with_it() -> None:
+    plain = plan_for(DEFAULT, Case((mla(),), tp=4, heads=1))
+    strided = plan_for(DEFAULT, Case((mla(),), tp=8, heads=1, dcp=2))
+    assert [store.send_thread_rank(plain, rank) for rank in range(4)] == [0, 1, 2, 3]
+    assert [store.send_thread_rank(strided, rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda schedule: schedule.value)
