@@ -144,6 +144,7 @@ def run_consistency(
     clients: ClientPool | None = None,
     save: bool = True,
     audit: bool | None = None,
+    dcp_size: int = 1,
 ) -> ConsistencyReport:
     """Save a ``num_tokens`` prompt from a cold ``tp_size``-rank instance of ``archetype`` under
     ``policy``, load it into a new warm instance, and compare every rank's bytes.
@@ -152,7 +153,7 @@ def run_consistency(
     run opens ``2 * tp_size`` fresh clients and closes them at the end (1–2 s each). ``save=False``
     skips the cold save, so the warm lookup meets a store without this prompt. ``audit``: see
     :func:`audited_policy`; ``enforce`` raises :class:`kvpolicy.audit.ReplicationAuditError` from the
-    cold save, as it stops an engine.
+    cold save, as it stops an engine. ``dcp_size`` > 1 runs decode-context parallelism.
     """
     shape = get_archetype(archetype)
     if tp_size < 1:
@@ -163,7 +164,7 @@ def run_consistency(
     pool = ClientPool(master) if clients is None else clients
     try:
         with Fleet(shape, master=master, clients=pool, num_tokens=num_tokens, seed=seed, name="kvpolicy-consistency") as fleet:
-            cold = fleet.instance(effective, tp_size, name="cold")
+            cold = fleet.instance(effective, tp_size, name="cold", dcp_size=dcp_size)
             before, allocated_before = _counters(master)
             marker_bytes = 0
             put_failures = 0
@@ -172,7 +173,7 @@ def run_consistency(
                 marker_bytes = sum(put.size for put in saved.marker_puts if put.ok)
                 put_failures = saved.put_failures
             after, allocated_after = _counters(master)
-            warm = fleet.instance(effective, tp_size, name="warm")
+            warm = fleet.instance(effective, tp_size, name="warm", dcp_size=dcp_size)
             lookup = warm.lookup()
             warm.load(lookup)
             verdict = warm.verdict(lookup)

@@ -1,7 +1,7 @@
 """The bytes a rank's KV cache holds for a chunk: the ground truth every check compares with.
 
 A block holds bytes that depend only on the *content* it represents: ``(seed, layer, tensor part,
-N, s, chunk hash, size)``, where a layer with physical factor ``T``
+N, s, [dcp size, dcp rank,] chunk hash, size)``, where a layer with physical factor ``T``
 (:func:`~kvpolicy.sim.archetypes.physical_factor`) at ``tp`` splits into ``N = tp // T`` distinct
 shards and rank ``r`` holds shard ``s = r // T``. Two ranks — of one instance or of two instances
 at different TP sizes — hold the same content exactly when ``N`` and ``s`` are equal: an MLA latent
@@ -9,6 +9,8 @@ at different TP sizes — hold the same content exactly when ``N`` and ``s`` are
 TP 4; Mamba / linear-attention state splits into ``N = tp`` shards, so shard ``s`` at TP 2 is not
 shard ``s`` at TP 4 and a cross-TP load of it is wrong. The factor is per layer, not per group, so
 a uniform group's MLA layer is identical on every rank even when the group's factor is smaller.
+Under decode-context parallelism rank ``r`` holds only the tokens of dcp rank ``r % dcp_size``, so
+ranks of different dcp rank never hold the same content.
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ def block_bytes(view: torch.Tensor, block_id: int) -> torch.Tensor:
     return view[block_id].view(torch.uint8)
 
 
-def content_id(layer: str, part: int, tp_rank: int, tp_size: int, true_factor: int) -> str:
-    """What rank ``tp_rank`` of a ``tp_size`` instance holds in tensor ``part`` of ``layer``."""
-    return f"{layer}#{part}/of{tp_size // true_factor}/{tp_rank // true_factor}"
+def content_id(layer: str, part: int, tp_rank: int, tp_size: int, true_factor: int, dcp_size: int = 1) -> str:
+    """What rank ``tp_rank`` of a ``tp_size`` instance holds in tensor ``part`` of ``layer``: its heads
+    (shard ``tp_rank // true_factor`` of ``tp_size // true_factor``) and, under decode-context
+    parallelism, its tokens (dcp rank ``tp_rank % dcp_size``)."""
+    heads = f"{layer}#{part}/of{tp_size // true_factor}/{tp_rank // true_factor}"
+    return heads if dcp_size == 1 else f"{heads}/dcp{dcp_size}/{tp_rank % dcp_size}"
 
 
 def truth(seed: int, content: str, chunk_hash: BlockHash, size: int) -> torch.Tensor:
@@ -54,7 +59,8 @@ def rank_truth(
     part: int,
     chunk_hash: BlockHash,
     size: int,
+    dcp_size: int = 1,
 ) -> torch.Tensor:
     """The bytes rank ``tp_rank`` holds in tensor ``part`` of ``layer`` for ``chunk_hash``."""
-    content = content_id(layer, part, tp_rank, tp_size, layer_true_factors[layer])
+    content = content_id(layer, part, tp_rank, tp_size, layer_true_factors[layer], dcp_size)
     return truth(seed, content, chunk_hash, size)

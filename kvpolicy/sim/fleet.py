@@ -97,11 +97,13 @@ class Fleet:
         wrap_store: Callable[[int, Any], Any] | None = None,
         blocks_needed: int | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
+        dcp_size: int = 1,
     ) -> Instance:
         """Start a ``tp_size``-rank instance under ``policy`` (None: vLLM's own ``MooncakeStoreWorker``
         rules); ``wrap_store(tp_rank, client)`` may return a wrapper (e.g.
         :class:`kvpolicy.mooncake.faults.FaultyStore`) the rank uses instead of the client.
-        ``blocks_needed`` defaults to one request's blocks per group plus :data:`SPARE_BLOCKS`."""
+        ``blocks_needed`` defaults to one request's blocks per group plus :data:`SPARE_BLOCKS`;
+        ``dcp_size`` > 1 runs decode-context parallelism (:func:`~kvpolicy.sim.model.build_model`)."""
         if self._closed:
             raise RuntimeError("the fleet is closed")
         chunks = math.ceil(self.num_tokens / BLOCK_SIZE)
@@ -111,6 +113,7 @@ class Fleet:
             model_name=self.model_name,
             blocks_needed=blocks_needed or SPARE_BLOCKS + self.archetype.distinct_kinds * chunks,
             extra_config={"cache_prefix": self.run_id},
+            dcp_size=dcp_size,
         )
         clients = self.clients.acquire(tp_size)
         self._leased.extend(clients)

@@ -264,7 +264,7 @@ class Instance:
 
     def key(self, group: int, shard: int, chunk: int) -> str:
         """The store key of ``chunk`` in ``group``'s namespace ``shard`` (a chunk ends a block)."""
-        block_size = self.model.kv_cache_config.prefix_cacheable_groups[group].kv_cache_spec.block_size
+        block_size = self.model.group_block_size(group)
         hashed = scheduler.chunk_hash(self.prompt.hashes, chunk, block_size, self.model.hash_block_size)
         if hashed is None:
             raise ValueError(f"chunk {chunk} is beyond the prompt")
@@ -275,13 +275,14 @@ class Instance:
     def truth(self, tp_rank: int, layer: str, part: int, chunk_hash: Any, size: int) -> Any:
         """The bytes rank ``tp_rank`` of this instance holds in ``layer``'s tensor ``part`` for a chunk."""
         return content.rank_truth(
-            self.fleet.seed, self.model.layer_true_factors, tp_rank, self.tp_size, layer, part, chunk_hash, size
+            self.fleet.seed, self.model.layer_true_factors, tp_rank, self.tp_size, layer, part, chunk_hash, size,
+            self.model.dcp_size,
         )
 
     def fill(self, rank: Rank, request: SaveRequest) -> None:
         """The forward pass's result: every block of ``request`` holds the rank's truth."""
         for index, group in enumerate(self.model.kv_cache_config.prefix_cacheable_groups):
-            block_size = group.kv_cache_spec.block_size
+            block_size = self.model.group_block_size(index)
             for chunk, block_id in enumerate(request.tables[index]):
                 hashed = scheduler.chunk_hash(request.hashes, chunk, block_size, self.model.hash_block_size)
                 if block_id == NULL_BLOCK_ID or hashed is None:
@@ -439,7 +440,7 @@ class Instance:
         elif honour_errors and all_invalid:
             (table,) = self.load_tables  # one group: block ids are unique
             first = next((index for index, block in enumerate(table) if block in all_invalid), len(table))
-            used = min(hit, first * self.model.kv_cache_config.prefix_cacheable_groups[0].kv_cache_spec.block_size)
+            used = min(hit, first * self.model.group_block_size(0))
         wrong, checked = self._check(lookup, used)
         stray = self._stray()
         return LoadVerdict(
@@ -466,7 +467,7 @@ class Instance:
         wrong: list[WrongBlock] = []
         checked = [0] * len(groups)
         for index, group in enumerate(groups):
-            block_size = group.kv_cache_spec.block_size
+            block_size = self.model.group_block_size(index)
             for chunk, block_id in enumerate(self.load_tables[index]):
                 loaded = chunk < len(masks[index]) and masks[index][chunk]
                 if loaded and (chunk + 1) * block_size > used:

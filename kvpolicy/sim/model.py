@@ -11,6 +11,7 @@ from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, res
 from vllm.v1.core.kv_cache_utils import (
     get_kv_cache_config_from_groups,
     get_kv_cache_groups,
+    resolve_dcp_kv_cache_spec,
     resolve_kv_cache_block_sizes,
 )
 from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -36,7 +37,9 @@ class SimulatedModel:
     """Scheduler block size (lcm of the groups')."""
     hash_block_size: int
     layer_true_factors: Mapping[str, int]
-    """Layer → TP ranks holding identical bytes for it (:func:`~kvpolicy.sim.archetypes.physical_factor`)."""
+    """Layer → consecutive TP ranks repeating its heads (:func:`~kvpolicy.sim.archetypes.physical_factor`)."""
+    dcp_size: int = 1
+    """Decode-context parallelism: rank ``r`` holds the tokens of dcp rank ``r % dcp_size``."""
 
     @property
     def total_num_kv_heads(self) -> int:
@@ -44,11 +47,19 @@ class SimulatedModel:
 
     @property
     def true_factors(self) -> tuple[int, ...]:
-        """Per prefix-cacheable group: the gcd of its layers' true factors."""
-        return tuple(
-            group_true_factor(self.layer_true_factors, group.layer_names)
-            for group in self.kv_cache_config.prefix_cacheable_groups
-        )
+        """Per prefix-cacheable group: the ranks holding identical bytes, the ground truth's replica-set
+        size: the gcd of its layers' head factors, of which only ranks of equal dcp rank share tokens."""
+        sizes = []
+        for group in self.kv_cache_config.prefix_cacheable_groups:
+            heads = group_true_factor(self.layer_true_factors, group.layer_names)
+            sizes.append(heads // self.dcp_size if heads % self.dcp_size == 0 else 1)
+        return tuple(sizes)
+
+    def group_block_size(self, group: int) -> int:
+        """Tokens per chunk of a group as the store sees it: the spec's block size, times ``dcp_size``
+        for a DCP-sharded spec (each rank's block holds every ``dcp_size``-th token of the chunk)."""
+        spec = self.kv_cache_config.prefix_cacheable_groups[group].kv_cache_spec
+        return resolve_dcp_kv_cache_spec(spec, self.dcp_size).block_size
 
     @property
     def layout(self) -> Layout:
@@ -65,14 +76,19 @@ def build_model(
     model_name: str,
     blocks_needed: int,
     extra_config: Mapping[str, object] = MappingProxyType({}),
+    dcp_size: int = 1,
 ) -> SimulatedModel:
     """vLLM's ``KVCacheConfig`` for ``archetype`` at ``tp_size``: layers grouped by vLLM's
     ``get_kv_cache_groups`` and sized by ``get_kv_cache_config_from_groups`` for ``blocks_needed``
     blocks, with prefix caching and Mamba ``align`` mode on, as a hybrid engine runs.
-    ``extra_config`` is the ``kv_connector_extra_config`` the workers read."""
+    ``extra_config`` is the ``kv_connector_extra_config`` the workers read. ``dcp_size`` > 1 runs
+    decode-context parallelism: vLLM's CPU platform refuses it when the config is validated, so it is
+    set on the parallel config afterwards, where the coordinator and the block-size resolution read it."""
     shape = get_archetype(archetype)
     if tp_size < 1:
         raise ValueError(f"tp_size must be positive, got {tp_size}")
+    if dcp_size < 1 or tp_size % dcp_size:
+        raise ValueError(f"dcp_size {dcp_size} must divide tp_size {tp_size}")
     vllm_config = VllmConfig(
         parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True, mamba_cache_mode="align"),
@@ -80,6 +96,7 @@ def build_model(
             kv_connector="MooncakeStoreConnector", kv_role="kv_both", kv_connector_extra_config=dict(extra_config)
         ),
     )
+    vllm_config.parallel_config.decode_context_parallel_size = dcp_size
     specs = shape.specs(tp_size)
     # The engine core resolves one layout from what the attention backends support; there are no
     # backends here, so vLLM's default preference (what undeclared backends get).
@@ -98,4 +115,5 @@ def build_model(
         block_size=block_size,
         hash_block_size=hash_block_size,
         layer_true_factors=MappingProxyType(shape.true_factors(tp_size)),
+        dcp_size=dcp_size,
     )

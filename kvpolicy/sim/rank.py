@@ -56,7 +56,8 @@ class Rank:
     ) -> Rank:
         """Rank ``tp_rank`` of ``model`` under ``policy`` (None: vLLM's own rules), registered and running."""
         store = RecordingStore(client)
-        ranks = Ranks(tp_rank=tp_rank, tp_size=model.tp_size)
+        dcp_size = model.dcp_size
+        ranks = Ranks(tp_rank=tp_rank, tp_size=model.tp_size, dcp_rank=tp_rank % dcp_size, dcp_size=dcp_size)
         worker: MooncakeStoreWorker
         if policy is None:
             worker = MooncakeStoreWorker.__new__(MooncakeStoreWorker)

@@ -115,7 +115,7 @@ def block_tables(model: SimulatedModel, num_tokens: int, *, seed: int, salt: str
     for index, group in enumerate(groups):
         table = free[index * chunks : (index + 1) * chunks]
         if mamba_nulls and isinstance(group.kv_cache_spec, MambaSpec):
-            size = group.kv_cache_spec.block_size
+            size = model.group_block_size(index)
             kept = {math.ceil(boundary / size) - 1 for boundary in mamba_boundaries(num_tokens, model.hash_block_size, size)}
             table = [block if chunk in kept else NULL_BLOCK_ID for chunk, block in enumerate(table)]
         tables.append(table)
@@ -156,10 +156,10 @@ def save_metadata(
     )
     assert meta is not None and meta.can_save
     boundary_puts = [
-        BoundaryPut(index, tables[index][math.ceil(boundary / group.kv_cache_spec.block_size) - 1], boundary)
-        for index, group in enumerate(model.kv_cache_config.prefix_cacheable_groups)
+        BoundaryPut(index, tables[index][math.ceil(boundary / model.group_block_size(index)) - 1], boundary)
+        for index in range(len(model.kv_cache_config.prefix_cacheable_groups))
         if index in coord.mamba_group_ids
-        for boundary in mamba_boundaries(num_tokens, model.hash_block_size, group.kv_cache_spec.block_size)
+        for boundary in mamba_boundaries(num_tokens, model.hash_block_size, model.group_block_size(index))
     ]
     meta.boundary_puts = boundary_puts or None
     meta.store_job_id = store_job_id

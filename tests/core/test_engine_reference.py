@@ -270,6 +270,16 @@ def test_identical_stored_bytes_at_two_tp_sizes_share_the_fingerprint(tp_sizes):
     assert small.factors != large.factors and small.fingerprint == large.fingerprint
 
 
+def test_the_dcp_size_changes_the_fingerprint():
+    # Under DCP a rank's object holds every dcp_size-th token of a chunk, not all of them.
+    mqa = layout(mla(), heads=1)
+    default = load_policy("default")
+    assert (
+        make_plan(default, mqa, Topology(tp_size=4)).fingerprint
+        != make_plan(default, mqa, Topology(tp_size=4, dcp_size=2)).fingerprint
+    )
+
+
 def test_a_kv_head_split_differently_at_two_tp_sizes_changes_the_fingerprint():
     gqa = layout(full(num_kv_heads=8), heads=8)
     default = load_policy("default")
