@@ -22,7 +22,11 @@ their scaled-down object sizes and by the prompt length (a Mamba group stores on
 states, an attention group every chunk). The "baseline" is the unique bytes; the policies run
 alternately per layout and TP size, in one master.
 
-    python benchmarks/bench_write_amplification.py [--tp 2 4 8] [--tokens 256] [--layouts NAME ...]
+Under decode-context parallelism (``--dcp``) a rank holds every ``dcp``-th token of a chunk, so the
+physical replica set is the ranks of equal dcp rank among those repeating a head (MLA at tp 8, dcp 2:
+4 ranks); vLLM's own rule writes every rank's copy there (vllm#51386).
+
+    python benchmarks/bench_write_amplification.py [--tp 2 4 8] [--dcp 1 2 4] [--tokens 256] [--layouts NAME ...]
         [--policies default vllm-compat no-dedup PATH ...] [--layers-per-group N] [--detail]
 """
 
@@ -39,6 +43,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_POLICIES, example_layouts, table  # noqa: E402
 
 
+def vllm_accepts(layout: object, tp_size: int, dcp_size: int) -> bool:
+    """Whether the engine plans this topology (it refuses those vLLM refuses, e.g. DCP on GQA with
+    no more TP ranks than KV heads); refused rows are left out of the table."""
+    from kvpolicy.diagnostics import PlanError
+    from kvpolicy.engine import make_plan
+    from kvpolicy.loader import load_policy
+    from kvpolicy.models import Topology
+
+    try:
+        make_plan(load_policy("vllm-compat"), layout, Topology(tp_size=tp_size, dcp_size=dcp_size))  # type: ignore[arg-type]
+    except PlanError:
+        return False
+    return True
+
+
 def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}" if base else "n/a"
 
@@ -46,6 +65,10 @@ def _ratio(value: float, base: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument(
+        "--dcp", type=int, nargs="+", default=[1, 2, 4],
+        help="decode-context-parallel sizes (each divides tp; a (tp, dcp) pair it does not divide is skipped)",
+    )
     parser.add_argument("--tokens", type=int, default=256, help="prompt length (block size 16)")
     parser.add_argument("--layouts", nargs="*", help="layout file stems (default: all in examples/layouts)")
     parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), help="shipped names or paths")
@@ -70,22 +93,33 @@ def main(argv: list[str] | None = None) -> int:
     summary = []
     mismatched_plans: list[str] = []
     misses: list[str] = []
+    skipped: list[str] = []
     log = Path(tempfile.gettempdir()) / "kvpolicy-bench-mooncake.log"
     with native_stderr_to(log), MooncakeMaster() as master, ClientPool(master, segment_mib=32) as pool:
         for stem, layout in layouts:
             archetype = archetype_from_layout(layout, layers_per_group=args.layers_per_group)
-            for turn, tp_size in enumerate(args.tp):
+            stateful = any("MambaSpec" in member.spec.classes for group in layout.groups for member in group.members)
+            topologies = [
+                (tp, dcp)
+                for tp in args.tp
+                for dcp in args.dcp
+                if tp % dcp == 0 and not (stateful and dcp > 1) and vllm_accepts(layout, tp, dcp)
+            ]
+            if stateful and max(args.dcp) > 1:
+                skipped.append(stem)
+            for turn, (tp_size, dcp_size) in enumerate(topologies):
                 # Policies alternate in a rotating order, so none always runs first on a warm master.
                 ordered = policies[turn % len(policies):] + policies[: turn % len(policies)]
                 results = {}
                 for policy in ordered:
                     report = run_consistency(
-                        policy, archetype, tp_size, master=master, clients=pool, num_tokens=args.tokens
+                        policy, archetype, tp_size, master=master, clients=pool, num_tokens=args.tokens,
+                        dcp_size=dcp_size,
                     )
-                    reference = make_plan(policy, layout, Topology(tp_size=tp_size)).factors
+                    reference = make_plan(policy, layout, Topology(tp_size=tp_size, dcp_size=dcp_size)).factors
                     if tuple(group.factor for group in report.groups) != reference:
                         mismatched_plans.append(
-                            f"{stem} tp={tp_size} {policy.name}: simulation {[group.factor for group in report.groups]}"
+                            f"{stem} tp={tp_size} dcp={dcp_size} {policy.name}: simulation {[group.factor for group in report.groups]}"
                             f" vs layout {list(reference)}"
                         )
                     results[policy.name] = report
@@ -104,11 +138,12 @@ def main(argv: list[str] | None = None) -> int:
                     bytes_ratio = _ratio(report.bytes_written, report.unique_bytes)
                     cells += [objects_ratio, bytes_ratio]
                     if policy.name == "default" and (objects_ratio, bytes_ratio) != ("1.00", "1.00"):
-                        misses.append(f"{stem} tp={tp_size}: objects {objects_ratio}, bytes {bytes_ratio}")
+                        misses.append(f"{stem} tp={tp_size} dcp={dcp_size}: objects {objects_ratio}, bytes {bytes_ratio}")
                     detail.append(
                         (
                             stem,
                             tp_size,
+                            dcp_size,
                             policy.name,
                             ",".join(str(group.factor) for group in report.groups),
                             report.objects_written,
@@ -122,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     )
                 physical = ",".join(str(group.true_factor) for group in results[policies[0].name].groups)
-                summary.append((stem, tp_size, physical, *cells, "yes" if all_consistent else "NO"))
+                summary.append((stem, tp_size, dcp_size, physical, *cells, "yes" if all_consistent else "NO"))
     elapsed = time.monotonic() - started
     print(
         f"Write amplification of a cold save (objects / unique objects, bytes / unique bytes): {args.tokens}-token "
@@ -134,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "weights groups by their scaled-down sizes."
     )
     print()
-    headers = ["layout", "tp", "physical factors"]
+    headers = ["layout", "tp", "dcp", "physical factors"]
     for policy in policies:
         headers += [f"{policy.name} obj", f"{policy.name} bytes"]
     headers.append("consistent")
@@ -144,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             table(
                 (
-                    "layout", "tp", "policy", "factors", "objects", "unique obj", "obj/unique",
+                    "layout", "tp", "dcp", "policy", "factors", "objects", "unique obj", "obj/unique",
                     "KiB", "unique KiB", "bytes/unique", "per group", "consistent",
                 ),
                 detail,
@@ -152,9 +187,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     print()
     print(
-        "target: default reaches 1.00 for every layout and tp: "
+        "target: default reaches 1.00 for every layout, tp and dcp: "
         + ("MET" if not misses else "MISSED: " + "; ".join(misses))
     )
+    if skipped:
+        print(
+            "not run under dcp > 1 (vLLM's Mamba / linear-attention layers are not DCP-sharded, and the simulation "
+            f"does not model a hybrid under DCP): {', '.join(skipped)}"
+        )
     if mismatched_plans:
         print("WARNING: the simulation's vLLM grouping planned differently from the layout document:")
         for line in mismatched_plans:

@@ -48,6 +48,7 @@ def make_plan(
     demoted: Iterable[int] = (),
 ) -> Plan:
     """Plan every group of ``layout``; ``demoted`` groups are forced to factor 1 (audit fallback)."""
+    _check_vllm_accepts(layout, topology)
     context = key_context or KeyContext.for_model(layout.model)
     demoted = frozenset(demoted)
     variables: dict[str, Value] = {
@@ -79,6 +80,28 @@ def make_plan(
         for index, (group, decision) in enumerate(zip(layout.groups, decided, strict=True))
     )
     return dataclasses.replace(skeleton, groups=groups)
+
+
+def _check_vllm_accepts(layout: Layout, topology: Topology) -> None:
+    """Refuse a topology vLLM itself refuses for this model, naming vLLM's constraint, rather than
+    plan a deployment that cannot start (``ModelConfig``'s DCP checks, vLLM 0.32): decode-context
+    parallelism on GQA/MQA attention needs more TP ranks than KV heads, and at most
+    ``tp_size // total_num_kv_heads`` DCP ranks (each splits the tokens of one repeated head)."""
+    dcp, tp, heads = topology.dcp_size, topology.tp_size, layout.total_num_kv_heads
+    if dcp == 1 or heads == 0:
+        return
+    for index, group in enumerate(layout.groups):
+        for member in group.members:
+            classes = member.spec.classes
+            if "AttentionSpec" in classes and "MLAAttentionSpec" not in classes and "SlidingWindowMLASpec" not in classes:
+                if tp <= heads or dcp > tp // heads:
+                    raise PlanError(
+                        f"group {index}: vLLM refuses dcp_size {dcp} at tp_size {tp} for GQA/MQA attention "
+                        f"({member.spec.type}) with {heads} KV heads: decode-context parallelism needs tp_size > "
+                        f"total_num_kv_heads and dcp_size <= tp_size // total_num_kv_heads "
+                        f"({max(0, tp // heads)} here)"
+                    )
+                return
 
 
 def stored_bytes_identity(

@@ -415,15 +415,29 @@ def test_striping_under_dcp_gives_every_chunk_one_writer_per_dcp_rank():
 
 
 def test_a_head_run_shorter_than_dcp_leaves_every_rank_its_own_set():
-    the_plan = make_plan(policy(ONE_RULE.format(outcome="factor: 2")), layout(full(), heads=4),
+    # (vLLM allows this only for non-attention state: for GQA it caps dcp_size at tp_size // heads.)
+    the_plan = make_plan(policy(ONE_RULE.format(outcome="factor: 2")), layout(mamba(), heads=0),
                          Topology(tp_size=8, dcp_size=4))
     (group,) = the_plan.groups
     assert (group.factor, group.shards) == (1, 8)
     assert len(set(group.lookup_namespaces)) == 8
 
 
+@pytest.mark.parametrize("tp_size, dcp_size, heads", [(8, 2, 8), (8, 2, 16), (8, 4, 4)])
+def test_a_topology_vllm_refuses_for_gqa_is_refused_naming_vllms_constraint(tp_size, dcp_size, heads):
+    message = refusal(ONE_RULE.format(outcome="replication: sharded"), layout(full(), heads=heads),
+                      tp_size=tp_size, dcp_size=dcp_size)
+    assert f"vLLM refuses dcp_size {dcp_size} at tp_size {tp_size}" in message
+    assert "tp_size > total_num_kv_heads and dcp_size <= tp_size // total_num_kv_heads" in message
+
+
+def test_mla_under_dcp_needs_no_more_ranks_than_heads():
+    the_plan = make_plan(load_policy("default"), layout(mla(), heads=128), Topology(tp_size=8, dcp_size=8))
+    assert the_plan.factors == (1,)
+
+
 def test_a_head_run_that_dcp_neither_divides_nor_is_divided_by_is_refused():
-    message = refusal(ONE_RULE.format(outcome="factor: 6"), layout(full(), heads=2), tp_size=12, dcp_size=4)
+    message = refusal(ONE_RULE.format(outcome="factor: 6"), layout(mamba(), heads=0), tp_size=12, dcp_size=4)
     assert "group 0" in message and "'the-rule'" in message
     assert "6 consecutive TP ranks with dcp_size 4" in message and "different sizes" in message
 
