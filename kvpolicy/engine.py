@@ -180,19 +180,17 @@ def _decide_group(
 
 
 def _replica_set_size(head_factor: int, topology: Topology, decisions: Sequence[LayerDecision], label: str) -> int:
-    """Ranks per replica set. Decode-context parallelism splits tokens over TP (``dcp_rank ==
-    tp_rank % dcp_size``), so of ``head_factor`` consecutive ranks repeating a head only those of
-    equal dcp rank hold the same bytes: every ``dcp_size``-th one."""
-    dcp_size = topology.dcp_size
-    if head_factor % dcp_size == 0:
-        return head_factor // dcp_size
-    if dcp_size % head_factor == 0:
-        return 1
-    culprit = next(decision for decision in decisions if decision.factor % dcp_size and dcp_size % decision.factor)
+    """Ranks per replica set (:func:`_replica_set`): of ``head_factor`` consecutive ranks repeating a
+    head, those holding the same tokens under decode-context parallelism."""
+    sizes = {len(_replica_set(rank, head_factor, topology)) for rank in range(topology.tp_size)}
+    if len(sizes) == 1:
+        (size,) = sizes
+        return size
+    culprit = next((d for d in decisions if d.factor > 1), decisions[0])
     raise PlanError(
         f"{label}: rule '{culprit.rule}' ({culprit.origin}) repeats heads over {head_factor} consecutive TP ranks "
-        f"with dcp_size {dcp_size}: the ranks of equal dcp rank among them would form replica sets of different "
-        "sizes; give a factor that divides dcp_size or that dcp_size divides"
+        f"with dcp_size {topology.dcp_size}: the ranks of equal dcp rank among them would form replica sets of "
+        "different sizes; give a factor that divides dcp_size or that dcp_size divides"
     )
 
 
@@ -264,16 +262,18 @@ def _group_plan(
 ) -> GroupPlan:
     head_factor, factor, per_rank_bytes = decision.head_factor, decision.factor, decision.bytes_per_token_per_rank
     topology = skeleton.topology
-    tp_size, dcp_size = topology.tp_size, topology.dcp_size
+    tp_size = topology.tp_size
     shards = tp_size // factor
-    replica_sets = [_replica_set(rank, head_factor, dcp_size) for rank in range(tp_size)]
+    replica_sets = [_replica_set(rank, head_factor, topology) for rank in range(tp_size)]
     ranks = tuple(
         RankAssignment(
             tp_rank=rank,
             shard=rank // head_factor,
             replica_set=replica_sets[rank],
-            schedule=_schedule(skeleton.schedule, rank // dcp_size, index, factor, leader=replica_sets[rank][0] == rank),
-            stripe_rank=rank // dcp_size,
+            schedule=_schedule(
+                skeleton.schedule, _stripe_rank(rank, topology), index, factor, leader=replica_sets[rank][0] == rank
+            ),
+            stripe_rank=_stripe_rank(rank, topology),
         )
         for rank in range(tp_size)
     )
@@ -303,15 +303,25 @@ def _group_plan(
     )
 
 
-def _replica_set(tp_rank: int, head_factor: int, dcp_size: int) -> tuple[int, ...]:
+def _replica_set(tp_rank: int, head_factor: int, topology: Topology) -> tuple[int, ...]:
     """The ranks holding ``tp_rank``'s bytes: of its run of ``head_factor`` ranks repeating the same
-    heads, those of its dcp rank."""
+    heads, those of its dcp rank (:meth:`Topology.dcp_rank`; the same at every PCP rank in every
+    topology vLLM allows)."""
     start = tp_rank - tp_rank % head_factor
-    return tuple(rank for rank in range(start, start + head_factor) if rank % dcp_size == tp_rank % dcp_size)
+    own = topology.dcp_rank(tp_rank)
+    return tuple(rank for rank in range(start, start + head_factor) if topology.dcp_rank(rank) == own)
+
+
+def _stripe_rank(tp_rank: int, topology: Topology) -> int:
+    """A rank number that is consecutive within every replica set, for vLLM's put phase: the TP
+    rank, or without PCP under DCP ``tp_rank // dcp_size`` (a set is every ``dcp_size``-th rank)."""
+    if topology.pcp_size == 1 and topology.dcp_size > 1:
+        return tp_rank // topology.dcp_size
+    return tp_rank
 
 
 def _schedule(kind: Schedule, stripe_rank: int, group: int, factor: int, *, leader: bool) -> WriteSchedule:
-    """``stripe_rank`` (``tp_rank // dcp_size``) numbers the members of a replica set consecutively:
+    """``stripe_rank`` (:func:`_stripe_rank`) numbers the members of a replica set consecutively:
     vLLM's send thread writes chunk ``c`` of a group from the member with ``(stripe_rank + group) %
     factor == c % factor``."""
     if kind is Schedule.STRIPED:

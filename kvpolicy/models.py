@@ -537,10 +537,28 @@ class Topology(StrictModel):
     pcp_size: int = Field(default=1, ge=1, le=4096)
     """Prefill context-parallel size."""
     dcp_size: int = Field(default=1, ge=1, le=4096)
-    """Decode context-parallel size (a subdivision of TP)."""
+    """Decode context-parallel size: a subdivision of TP, or with PCP the PCP axis or all of TP x PCP."""
 
     @model_validator(mode="after")
-    def _dcp_divides_tp(self) -> Topology:
-        if self.tp_size % self.dcp_size:
-            raise ValueError(f"dcp_size {self.dcp_size} must divide tp_size {self.tp_size}")
+    def _dcp_as_vllm_allows(self) -> Topology:
+        tp, pcp, dcp = self.tp_size, self.pcp_size, self.dcp_size
+        if pcp == 1 and tp % dcp:
+            raise ValueError(f"dcp_size {dcp} must divide tp_size {tp} (vLLM's DCP reuses the TP ranks)")
+        if pcp > 1 and dcp not in (1, pcp, tp * pcp):
+            raise ValueError(
+                f"with pcp_size {pcp}, vLLM allows dcp_size 1, {pcp} (the PCP axis) or {tp * pcp} (all of TP x PCP); "
+                f"got {dcp}"
+            )
         return self
+
+    def dcp_rank(self, tp_rank: int, pcp_rank: int = 0) -> int:
+        """vLLM's DCP rank of a worker (``get_dcp_group().rank_in_group``): its ranks are laid out
+        [pp, pcp, tp] and DCP groups run over the PCP axis first, then TP. Without PCP that is
+        ``tp_rank % dcp_size``; spanning PCP, ``pcp_rank``; spanning TP x PCP, ``tp_rank * pcp_size + pcp_rank``."""
+        if self.dcp_size == 1:
+            return 0
+        if self.pcp_size == 1:
+            return tp_rank % self.dcp_size
+        if self.dcp_size == self.pcp_size:
+            return pcp_rank
+        return tp_rank * self.pcp_size + pcp_rank

@@ -112,7 +112,6 @@ class Plan:
         return self._prefix(group, group_plan.ranks[tp_rank].shard, tp_rank, pcp_rank, pp_rank, group_plan.demoted)
 
     def _prefix(self, group: int, shard: int, tp_rank: int, pcp_rank: int, pp_rank: int, demoted: bool) -> str:
-        dcp_size = self.topology.dcp_size
         prefix = render_prefix(
             self.key_template,
             self.key_context,
@@ -120,8 +119,7 @@ class Plan:
             group=group,
             shard=shard,
             pcp_rank=pcp_rank,
-            # DCP subdivides TP: dcp_rank == tp_rank % dcp_size (vLLM's rule).
-            dcp_rank=tp_rank % dcp_size if dcp_size > 1 else 0,
+            dcp_rank=self.topology.dcp_rank(tp_rank, pcp_rank),
             pp_rank=pp_rank,
         )
         if demoted and "{fingerprint}" not in self.key_template:

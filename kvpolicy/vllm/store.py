@@ -72,11 +72,6 @@ class PlanStoreLayout(RankLocalStoreLayout):
         return self._lookup_prefixes
 
 
-def _dcp_rank(plan: Plan, tp_rank: int) -> int:
-    dcp_size = plan.topology.dcp_size
-    return tp_rank % dcp_size if dcp_size > 1 else 0
-
-
 def _check_metadata(plan: Plan, metadata: KeyMetadata, *, tp_rank: int, pcp_rank: int, pp_rank: int) -> None:
     """Refuse metadata that disagrees with the plan: vLLM would put it in group ids and events
     while the keys say something else."""
@@ -86,7 +81,7 @@ def _check_metadata(plan: Plan, metadata: KeyMetadata, *, tp_rank: int, pcp_rank
         "cache_prefix": context.cache_prefix,
         "store_namespace": context.store_namespace,
         "pcp_rank": pcp_rank,
-        "dcp_rank": _dcp_rank(plan, tp_rank),
+        "dcp_rank": plan.topology.dcp_rank(tp_rank, pcp_rank),
         "pp_rank": pp_rank,
     }
     wrong = {name: value for name, value in expected.items() if getattr(metadata, name) != value}

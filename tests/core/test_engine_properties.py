@@ -43,10 +43,14 @@ layouts = st.builds(
 
 @st.composite
 def topologies(draw):
+    """Topologies vLLM's ParallelConfig accepts: DCP divides TP, or with PCP spans PCP or all of TP x PCP."""
     tp = draw(st.sampled_from([1, 2, 4, 8, 16]))
-    dcp = draw(st.sampled_from([dcp for dcp in (1, 1, 1, 2, 4) if tp % dcp == 0]))
-    return Topology(tp_size=tp, pp_size=draw(st.sampled_from([1, 2])), pcp_size=draw(st.sampled_from([1, 2])),
-                    dcp_size=dcp)
+    pcp = draw(st.sampled_from([1, 1, 2]))
+    if pcp == 1:
+        dcp = draw(st.sampled_from([dcp for dcp in (1, 1, 1, 2, 4) if tp % dcp == 0]))
+    else:
+        dcp = draw(st.sampled_from([1, 1, pcp, tp * pcp]))
+    return Topology(tp_size=tp, pp_size=draw(st.sampled_from([1, 2])), pcp_size=pcp, dcp_size=dcp)
 
 
 policies = st.builds(
@@ -77,7 +81,7 @@ def test_replica_sets_tile_tp_in_equal_sets_that_share_heads_tokens_and_one_name
     the_layout, topology, policy, demoted
 ):
     the_plan = plan_of(policy, the_layout, topology, demoted=demoted)
-    tp, dcp = topology.tp_size, topology.dcp_size
+    tp = topology.tp_size
     for group in the_plan.groups:
         f = group.factor
         assert f >= 1 and tp % f == 0 and group.shards * f == tp
@@ -90,8 +94,10 @@ def test_replica_sets_tile_tp_in_equal_sets_that_share_heads_tokens_and_one_name
         for a in range(tp):
             for b in range(tp):
                 same_set = b in group.ranks[a].replica_set
-                if same_set:  # a replica set never mixes DCP token shards
-                    assert a % dcp == b % dcp and group.ranks[a].shard == group.ranks[b].shard
+                if same_set:  # a replica set never mixes DCP token shards, at any PCP rank
+                    for pcp_rank in range(topology.pcp_size):
+                        assert topology.dcp_rank(a, pcp_rank) == topology.dcp_rank(b, pcp_rank)
+                    assert group.ranks[a].shard == group.ranks[b].shard
                 assert (prefixes[a] == prefixes[b]) is same_set
 
 

@@ -436,6 +436,35 @@ def test_mla_under_dcp_needs_no_more_ranks_than_heads():
     assert the_plan.factors == (1,)
 
 
+@pytest.mark.parametrize("tp_size, pcp_size, dcp_size", [(4, 2, 2), (4, 2, 8), (2, 4, 4), (2, 2, 1)])
+def test_pcp_with_dcp_over_the_pcp_axis_or_all_ranks_is_a_valid_topology(tp_size, pcp_size, dcp_size):
+    assert Topology(tp_size=tp_size, pcp_size=pcp_size, dcp_size=dcp_size).dcp_size == dcp_size
+
+
+@pytest.mark.parametrize("tp_size, pcp_size, dcp_size", [(4, 2, 4), (8, 2, 4), (4, 4, 2)])
+def test_pcp_with_a_dcp_size_vllm_refuses_is_refused_naming_the_sizes_it_allows(tp_size, pcp_size, dcp_size):
+    with pytest.raises(ValueError, match=rf"with pcp_size {pcp_size}, vLLM allows dcp_size 1, {pcp_size} .* or "
+                                         rf"{tp_size * pcp_size} .*; got {dcp_size}"):
+        Topology(tp_size=tp_size, pcp_size=pcp_size, dcp_size=dcp_size)
+
+
+def test_dcp_over_the_pcp_axis_keeps_whole_head_runs_together_and_keys_the_pcp_rank_as_dcp_rank():
+    the_plan = make_plan(load_policy("default"), layout(mla(), heads=1), Topology(tp_size=4, pcp_size=2, dcp_size=2))
+    (group,) = the_plan.groups
+    assert group.factor == 4 and {rank.replica_set for rank in group.ranks} == {(0, 1, 2, 3)}
+    assert [namespace.split("@", 2)[2] for namespace in group.lookup_namespaces] == [
+        "tp_rank:0@pcp0@dcp0@pp_rank:0@group:0",
+        "tp_rank:0@pcp1@dcp1@pp_rank:0@group:0",
+    ]
+
+
+def test_dcp_over_all_ranks_leaves_every_rank_its_own_tokens():
+    the_plan = make_plan(load_policy("default"), layout(mla(), heads=1), Topology(tp_size=4, pcp_size=2, dcp_size=8))
+    (group,) = the_plan.groups
+    assert group.factor == 1
+    assert sorted(int(namespace.split("@dcp")[1].split("@")[0]) for namespace in group.lookup_namespaces) == list(range(8))
+
+
 def test_a_head_run_that_dcp_neither_divides_nor_is_divided_by_is_refused():
     message = refusal(ONE_RULE.format(outcome="factor: 6"), layout(mamba(), heads=0), tp_size=12, dcp_size=4)
     assert "group 0" in message and "'the-rule'" in message

@@ -230,6 +230,7 @@ PARALLEL: dict[str, dict[str, int]] = {
     "tp2-pcp2": {"tp": 2, "pcp": 2},
     "tp4-pp2": {"tp": 4, "pp": 2},
     "tp2-pcp2-pp2": {"tp": 2, "pcp": 2, "pp": 2},
+    "tp2-pcp2-dcp2": {"tp": 2, "pcp": 2, "dcp": 2},
 }
 
 
@@ -265,6 +266,20 @@ def plan_for(policy: Policy, case: Case, context: KeyContext = PLAIN) -> Plan:
     return make_plan(policy, layout, case.topology, key_context=context)
 
 
+def vllm_dcp_rank(case: Case, tp_rank: int, pcp_rank: int) -> int:
+    """``get_dcp_group().rank_in_group`` as ``initialize_model_parallel`` builds the DCP groups (vLLM
+    0.32): ranks laid out [pp, pcp, tp]; with DCP the last two axes are swapped and consecutive runs
+    of ``dcp_size`` form the groups."""
+    if case.dcp == 1:
+        return 0
+    ranks = torch.arange(case.pp * case.pcp * case.tp).reshape(case.pp, case.pcp, case.tp)
+    me = int(ranks[0, pcp_rank, tp_rank])
+    for group in ranks.transpose(-1, -2).reshape(-1, case.dcp).tolist():
+        if me in group:
+            return group.index(me)
+    raise AssertionError("every rank is in a DCP group")
+
+
 def metadata_for(case: Case, rank: Rank, context: KeyContext = PLAIN) -> KeyMetadata:
     """The KeyMetadata MooncakeStoreWorker.__init__ builds on this rank."""
     tp_rank, pcp_rank, pp_rank = rank
@@ -273,7 +288,7 @@ def metadata_for(case: Case, rank: Rank, context: KeyContext = PLAIN) -> KeyMeta
         tp_rank=tp_rank,
         pcp_rank=pcp_rank,
         # vLLM's DCP group subdivides TP: rank_in_group == tp_rank % dcp_size.
-        dcp_rank=tp_rank % case.dcp if case.dcp > 1 else 0,
+        dcp_rank=vllm_dcp_rank(case, tp_rank, pcp_rank),
         pp_rank=pp_rank,
         cache_prefix=context.cache_prefix,
         store_namespace=context.store_namespace,
@@ -294,7 +309,7 @@ def set_upstream_state(worker: MooncakeStoreWorker, case: Case, rank: Rank) -> N
     worker.tp_rank, worker.tp_size = tp_rank, case.tp
     worker.pcp_rank, worker.pcp_size = pcp_rank, case.pcp
     worker.dcp_size = case.dcp
-    worker.dcp_rank = tp_rank % case.dcp if case.dcp > 1 else 0
+    worker.dcp_rank = vllm_dcp_rank(case, tp_rank, pcp_rank)
     worker.pp_rank, worker.pp_size = pp_rank, case.pp
     worker.num_kv_head = case.heads
     worker.hash_block_size = BLOCK
@@ -424,15 +439,20 @@ def test_compat_token_database_metadata_equals_upstream_on_every_rank(case: Case
     assert ours == theirs
 
 
+def pcp_with_dcp(param: Any) -> bool:
+    return "pcp2-dcp" in param.id
+
+
 @pytest.mark.parametrize("context", KEY_CONTEXTS.values(), ids=KEY_CONTEXTS.keys())
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [param for param in CASES if not pcp_with_dcp(param)])
 def test_compat_lookup_prefixes_equal_upstream(case: Case, context: KeyContext) -> None:
     theirs = upstream(case, context=context)._lookup_key_prefixes
     assert store.lookup_key_prefixes(plan_for(COMPAT, case, context)) == theirs
 
 
 # Head counts 1 and 2 already give every factor the worker can see; the full grid is covered above.
-@pytest.mark.parametrize("case", [param for param in CASES if param.values[0].heads <= 2])
+# (Under PCP with DCP upstream's lookup set is broken; see the dedicated test.)
+@pytest.mark.parametrize("case", [param for param in CASES if param.values[0].heads <= 2 and not pcp_with_dcp(param)])
 def test_policy_worker_override_points_answer_like_upstream_under_compat(case: Case) -> None:
     for rank in case.ranks():
         ours = policy_worker(COMPAT, case, rank, "tenant-a")
@@ -456,6 +476,17 @@ def test_an_attention_free_model_gets_upstreams_factors_and_keys_under_compat(tp
     case = Case((mamba(), mamba()), tp=tp, heads=0)
     assert plan_for(COMPAT, case).factors == upstream(case)._group_tp_replication_factors == (1, 1)
     assert plan_keys(COMPAT, case) == upstream_keys(case)
+
+
+@pytest.mark.parametrize("case", [param for param in CASES if pcp_with_dcp(param)])
+def test_under_pcp_with_dcp_upstreams_lookup_misses_its_own_keys_and_compats_finds_them(case: Case) -> None:
+    # vLLM 0.32 writes with the DCP group's rank (the PCP axis first) but looks up with
+    # tp_rank % dcp_size, so no stock instance ever hits there; vllm-compat writes the same keys and
+    # looks up the namespaces it writes.
+    written = {key.rsplit("@", 1)[0] for key in upstream_keys(case)}
+    theirs = {prefix for group in upstream(case)._lookup_key_prefixes for prefix in group}
+    ours = {prefix for group in store.lookup_key_prefixes(plan_for(COMPAT, case)) for prefix in group}
+    assert theirs - written and ours == written
 
 
 def test_policy_worker_exposes_the_plan_it_keyed_with() -> None:
