@@ -128,6 +128,7 @@ def plan_to_json(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = 
                         "tp_rank": rank.tp_rank,
                         "shard": rank.shard,
                         "replica_set": list(rank.replica_set),
+                        "stripe_rank": rank.stripe_rank,
                         "writes": {
                             "schedule": rank.schedule.kind.value,
                             "step": rank.schedule.step,

@@ -79,7 +79,19 @@ def _non_negative(text: str) -> int:
 
 
 def _topology(args: argparse.Namespace) -> Topology:
-    return Topology(tp_size=args.tp, pp_size=args.pp, pcp_size=args.pcp, dcp_size=args.dcp)
+    """The topology the flags give; a size vLLM would refuse is a ``ValueError`` of one line per problem."""
+    from pydantic import ValidationError
+
+    try:
+        return Topology(tp_size=args.tp, pp_size=args.pp, pcp_size=args.pcp, dcp_size=args.dcp)
+    except ValidationError as error:
+        flags = {"tp_size": "--tp", "pp_size": "--pp", "pcp_size": "--pcp", "dcp_size": "--dcp"}
+        problems = [
+            f"{flags.get(str(problem['loc'][0]), '--tp/--pp/--pcp/--dcp') if problem['loc'] else '--dcp'}: "
+            f"{str(problem['msg']).removeprefix('Value error, ')}"
+            for problem in error.errors(include_url=False)
+        ]
+        raise ValueError("; ".join(problems)) from None
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -156,3 +156,26 @@ def test_vllm_config_refuses_an_invalid_policy(tmp_path: Path, capsys: pytest.Ca
     code, out, _ = run(capsys, "vllm-config", "--policy", str(policy))
     assert code == 1
     assert f"{policy}:1:10: error: version" in out
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tp", "4", "--pcp", "2", "--dcp", "4"], "error: --dcp: with pcp_size 2, vLLM allows dcp_size 1, 2"),
+        (["--tp", "0"], "error: --tp: Input should be greater than or equal to 1"),
+        (["--tp", "4", "--dcp", "3"], "error: --dcp: dcp_size 3 must divide tp_size 4"),
+    ],
+)
+def test_a_topology_vllm_refuses_is_one_line_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    code, out, _ = run(capsys, "plan", "--policy", "default", "--layout", "deepseek-v3", *flags)
+    assert code == 1 and out.startswith(message) and out.count("\n") == 1
+
+
+def test_plan_under_dcp_writes_mla_once_per_dcp_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--policy", "default", "--layout", "deepseek-v3", "--tp", "8", "--dcp", "2",
+                       "--format", "json")
+    (group,) = json.loads(out)["groups"]
+    assert code == 0 and (group["factor"], group["shards"]) == (4, 2)
+    assert sorted({tuple(rank["replica_set"]) for rank in group["ranks"]}) == [(0, 2, 4, 6), (1, 3, 5, 7)]
