@@ -74,6 +74,17 @@ def mooncake_master() -> Iterator[MooncakeMaster]:
 
 
 
+@pytest.fixture(scope="module")
+def clients(mooncake_master: MooncakeMaster) -> Iterator[Any]:
+    """Store clients on the session master, lent to this module's simulated instances
+    (:class:`kvpolicy.mooncake.pool.ClientPool`): opening and closing one costs 1-2 s, so a module's
+    runs share them, and they are closed before the master stops."""
+    from kvpolicy.mooncake.pool import ClientPool
+
+    with ClientPool(mooncake_master) as pool:
+        yield pool
+
+
 # --- a KVPolicyStoreWorker up to its plan, without vLLM's distributed runtime ----------------------
 
 

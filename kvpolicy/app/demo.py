@@ -20,6 +20,7 @@ from kvpolicy.engine import make_plan
 from kvpolicy.loader import check_file, layouts_dir, load_layout, load_policy, policies_dir
 from kvpolicy.models import Policy, Topology
 from kvpolicy.mooncake import MooncakeMaster
+from kvpolicy.mooncake.native_log import native_stderr_to
 from kvpolicy.report import format_plan_table
 
 HYBRID_LAYOUT = "kimi-linear-48b-a3b"
@@ -48,7 +49,6 @@ def _pre_fix_policy() -> Policy:
 
 def run_demo(*, tp_size: int = 4, with_engine: bool = True) -> int:
     started = time.monotonic()
-    from kvpolicy.mooncake.native_log import native_stderr_to
     from kvpolicy.mooncake.pool import ClientPool
     from kvpolicy.sim import run_consistency
 

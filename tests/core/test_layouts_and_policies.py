@@ -99,3 +99,35 @@ def test_default_never_shares_a_mamba_group_unless_it_is_declared_replicated(pat
 
 def test_shipped_policy_names():
     assert set(shipped_policy_names()) >= {"default", "no-dedup", "vllm-compat"}
+
+
+def vllm_topologies(max_tp: int = 16):
+    """Every (tp, pcp, dcp) vLLM 0.32's ParallelConfig accepts up to ``max_tp``: without PCP, DCP divides
+    TP; with PCP, DCP is 1, the PCP size or TP x PCP."""
+    for tp in (1, 2, 4, 8, 16):
+        if tp > max_tp:
+            continue
+        for pcp in (1, 2, 4):
+            dcps = [dcp for dcp in range(1, tp + 1) if tp % dcp == 0] if pcp == 1 else sorted({1, pcp, tp * pcp})
+            for dcp in dcps:
+                yield tp, pcp, dcp
+
+
+@pytest.mark.parametrize("tp_size, pcp_size, dcp_size", list(vllm_topologies()))
+@pytest.mark.parametrize("policy_name", ["default", "no-dedup", "vllm-compat"])
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.stem)
+def test_every_example_layout_plans_at_every_topology_vllm_accepts_or_names_vllms_constraint(
+    path, policy_name, tp_size, pcp_size, dcp_size
+):
+    topology = Topology(tp_size=tp_size, pcp_size=pcp_size, dcp_size=dcp_size)
+    try:
+        the_plan = make_plan(policy_named(policy_name), layout_at(path), topology)
+    except PlanError as error:
+        # vLLM's ModelConfig refuses DCP on GQA/MQA with no more TP ranks than KV heads.
+        assert dcp_size > 1 and "vLLM refuses dcp_size" in str(error), str(error)
+        return
+    for group in the_plan.groups:
+        assert sorted(rank for replica_set in {r.replica_set for r in group.ranks} for rank in replica_set) == list(
+            range(tp_size)
+        )
+        assert len(group.lookup_namespaces) == group.shards * pcp_size

@@ -11,7 +11,7 @@ Mamba / linear-attention state (``N = tp``) is not.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -70,12 +70,6 @@ def policies(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Policy]:
     found["pre-fix"] = load_policy(REPO / "examples" / "policies" / "pre-fix-single-factor.yaml")
     found["site-copy"] = load_policy(renamed_default(tmp_path_factory.mktemp("policies")))
     return found
-
-
-@pytest.fixture(scope="module")
-def clients(mooncake_master: MooncakeMaster) -> Iterator[ClientPool]:
-    with ClientPool(mooncake_master) as pool:  # at most 4 + 2 clients; closing costs ~2 s each
-        yield pool
 
 
 @pytest.fixture(scope="module")

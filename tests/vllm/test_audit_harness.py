@@ -66,12 +66,6 @@ def with_audit(policy: Policy, mode: AuditMode) -> Policy:
 
 
 @pytest.fixture(scope="module")
-def clients(mooncake_master: MooncakeMaster) -> Iterator[ClientPool]:
-    with ClientPool(mooncake_master) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
 def run(mooncake_master: MooncakeMaster, clients: ClientPool) -> Run:
     policies = {"wrong": load_policy(WRONG), "pre-fix": load_policy(PRE_FIX)}
     policies["wrong-warn"] = with_audit(policies["wrong"], AuditMode.WARN)

@@ -8,7 +8,7 @@ Runs are memoised per module, so tests that look at the same run from different 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,13 +38,6 @@ POLICIES = {
 HYBRIDS_WITH_STATE = ("kimi-linear", "gqa-mamba")
 
 Run = Callable[..., ConsistencyReport]
-
-
-@pytest.fixture(scope="module")
-def clients(mooncake_master: MooncakeMaster) -> Iterator[ClientPool]:
-    # Opening and closing a Mooncake client costs ~2 s, so the module's runs share 2 * 4 clients.
-    with ClientPool(mooncake_master) as pool:
-        yield pool
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ resolution and every worker read it from there, as on a GPU engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,12 +34,6 @@ def hit(dcp: int) -> int:
 TOPOLOGIES = [pytest.param(tp, dcp, id=f"tp{tp}-dcp{dcp}") for tp, dcp in ((4, 2), (8, 2), (8, 4))]
 
 Run = Callable[..., ConsistencyReport]
-
-
-@pytest.fixture(scope="module")
-def clients(mooncake_master: MooncakeMaster) -> Iterator[ClientPool]:
-    with ClientPool(mooncake_master) as pool:
-        yield pool
 
 
 @pytest.fixture(scope="module")

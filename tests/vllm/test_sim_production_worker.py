@@ -5,7 +5,7 @@ heads) at TP 2 and 4."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +31,6 @@ STATE_MODELS = (*HYBRIDS, "mamba2")
 CASES = [pytest.param(archetype, tp, id=f"{archetype}-tp{tp}") for archetype in STATE_MODELS for tp in (2, 4)]
 
 Run = Callable[..., ConsistencyReport]
-
-
-@pytest.fixture(scope="module")
-def clients(mooncake_master: MooncakeMaster) -> Iterator[ClientPool]:
-    with ClientPool(mooncake_master) as pool:
-        yield pool
 
 
 @pytest.fixture(scope="module")
