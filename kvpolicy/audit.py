@@ -287,7 +287,8 @@ def agreement_key(
 
 VOUCHING_MULTIPLES = (1, 2, 4, 8, 16)
 """Replica-set sizes, as multiples of a group's own factor, whose agreement markers vouch for it: a
-verified set of ``k * f`` consecutive ranks contains every aligned run of ``f``."""
+verified set of ``k * f`` ranks (consecutive, or every ``dcp_size``-th under DCP) contains every
+aligned set of ``f`` of them."""
 
 
 def vouching_replicas(factor: int) -> tuple[int, ...]:

@@ -2,9 +2,10 @@
 
 Every layer spec gets a factor from the first rule that matches it; a group's factor is the gcd of
 its layers' factors (the largest replica set over which every layer is identical). From the factor
-follow the shard each rank holds, the chunks it writes and the namespaces a lookup must find. The
-engine refuses a plan it cannot prove consistent: a factor that is not a divisor of tp_size, a
-replica set under decode-context parallelism, an expression that fails.
+follow, with the topology (decode-context parallelism keeps only ranks of equal dcp rank together),
+the replica set and shard of each rank, the chunks it writes and the namespaces a lookup must find.
+The engine refuses a plan it cannot prove consistent: a factor that is not a divisor of tp_size,
+replica sets of unequal sizes, an expression that fails, a topology vLLM itself refuses.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
+from kvpolicy.catalog import is_subclass
 from kvpolicy.diagnostics import PlanError
 from kvpolicy.expressions import ExpressionError, Value
 from kvpolicy.keys import KeyContext, fingerprint
 from kvpolicy.matcher import match_rule, spec_variables
-from kvpolicy.models import Group, LayerSpecs, Layout, Policy, Replication, Rule, Schedule, Topology, thawed
+from kvpolicy.models import Group, LayerSpecs, Layout, Policy, Replication, Rule, Schedule, Spec, Topology, thawed
 from kvpolicy.plan import GroupPlan, LayerDecision, Plan, RankAssignment, WriteSchedule
 
 
@@ -82,6 +84,24 @@ def make_plan(
     return dataclasses.replace(skeleton, groups=groups)
 
 
+def _dcp_tokens(spec: Spec, topology: Topology) -> int:
+    """Tokens of a chunk per token a rank's block holds: ``dcp_size`` for a DCP-sharded spec (vLLM's
+    ``dcp_sharded``, true for attention specs by default), 1 otherwise."""
+    sharded = spec.fields.get("dcp_sharded", _is_attention(spec))
+    return topology.dcp_size if sharded is True else 1
+
+
+def _is_attention(spec: Spec) -> bool:
+    """An attention spec, by its stated bases or vLLM's known class hierarchy."""
+    return "AttentionSpec" in spec.classes or bool(is_subclass(spec.type, "AttentionSpec"))
+
+
+def _is_mla(spec: Spec) -> bool:
+    return any(
+        name in spec.classes or bool(is_subclass(spec.type, name)) for name in ("MLAAttentionSpec", "SlidingWindowMLASpec")
+    )
+
+
 def _check_vllm_accepts(layout: Layout, topology: Topology) -> None:
     """Refuse a topology vLLM itself refuses for this model, naming vLLM's constraint, rather than
     plan a deployment that cannot start (``ModelConfig``'s DCP checks, vLLM 0.32): decode-context
@@ -92,8 +112,7 @@ def _check_vllm_accepts(layout: Layout, topology: Topology) -> None:
         return
     for index, group in enumerate(layout.groups):
         for member in group.members:
-            classes = member.spec.classes
-            if "AttentionSpec" in classes and "MLAAttentionSpec" not in classes and "SlidingWindowMLASpec" not in classes:
+            if _is_attention(member.spec) and not _is_mla(member.spec):
                 if tp <= heads or dcp > tp // heads:
                     raise PlanError(
                         f"group {index}: vLLM refuses dcp_size {dcp} at tp_size {tp} for GQA/MQA attention "
@@ -111,9 +130,11 @@ def stored_bytes_identity(
     and where it is addressed, and nothing else.
 
     * the key template (how namespaces are spelled);
-    * per group, in order: its distinct shards over TP (``tp_size // factor``: shard ``s`` holds the
-      same bytes under every TP size with that many shards) and each member spec's signature (class,
-      block size, per-rank page size, fields, layer count);
+    * per group, in order: its runs of ranks repeating the same heads (``tp_size // head_factor``:
+      the key's ``{shard}`` names a run, and run ``s`` holds the same heads under every TP size with
+      that many runs), its replica sets (``tp_size // factor``; with the pp, pcp and dcp sizes they
+      fix which tokens a set holds), and each member spec's signature (class, block size, per-rank
+      page size, fields, layer count);
     * the pp, pcp and dcp sizes (which layers and which tokens a rank holds).
 
     Not the TP size or the factor themselves: an MQA model at TP 4 and at TP 2 stores one shard of
@@ -124,7 +145,12 @@ def stored_bytes_identity(
         "template": policy.key.template,
         "topology": {"pp": topology.pp_size, "pcp": topology.pcp_size, "dcp": topology.dcp_size},
         "groups": [
-            {"shards": topology.tp_size // decision.factor, "specs": decision.signature} for decision in decided
+            {
+                "head_runs": topology.tp_size // decision.head_factor,
+                "shards": topology.tp_size // decision.factor,
+                "specs": decision.signature,
+            }
+            for decision in decided
         ],
     }
 
@@ -151,7 +177,7 @@ def _decide_group(
         page_size = member_variables["page_size_bytes"]
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 0:
             raise PlanError(f"{label}: page_size_bytes of {member.spec.type} is {page_size!r}, not a byte count")
-        per_rank_bytes += page_size * len(member.layers) / member.spec.block_size
+        per_rank_bytes += page_size * len(member.layers) / (member.spec.block_size * _dcp_tokens(member.spec, topology))
         signature.append(
             {
                 "type": member.spec.type,

@@ -33,6 +33,7 @@ from pydantic import (
 )
 from pydantic_core import core_schema
 
+from kvpolicy.catalog import is_subclass
 from kvpolicy.expressions import Expression, ExpressionError
 
 TOPOLOGY_VARIABLES = ("tp_size", "pp_size", "pcp_size", "dcp_size", "total_num_kv_heads")
@@ -208,7 +209,8 @@ class Schedule(str, Enum):
     """Which ranks of a replica set write a chunk to the store."""
 
     STRIPED = "striped"
-    """Each chunk is written once per replica set; rank phase (tp_rank + group) % factor (upstream)."""
+    """Each chunk is written once per replica set; rank phase (stripe rank + group) % factor, the stripe
+    rank being the TP rank (upstream's) or, under DCP, its position among the ranks of its dcp rank."""
     LEADER = "leader"
     """The lowest rank of each replica set writes every chunk."""
     ALL = "all"
@@ -519,7 +521,7 @@ class Layout(StrictModel):
             return groups
         for index, group in enumerate(groups):
             for member in group.members:
-                if "AttentionSpec" in member.spec.classes:
+                if "AttentionSpec" in member.spec.classes or is_subclass(member.spec.type, "AttentionSpec"):
                     raise ValueError(
                         f"total_num_kv_heads is 0 (an attention-free model) but group {index} holds attention "
                         f"({member.spec.type}); set the model's KV-head count"

@@ -43,14 +43,16 @@ class RankAssignment:
 
     tp_rank: int
     shard: int
-    """Index of the distinct shard this rank holds; the key's ``tp_rank`` field."""
+    """Index of the run of ranks repeating this rank's heads (``tp_rank // head factor``); the key's
+    ``tp_rank`` field. With the dcp rank it names the rank's replica set."""
     replica_set: tuple[int, ...]
     """TP ranks holding byte-identical bytes for this group, this rank included: consecutive ranks
     repeating the same heads, and under decode-context parallelism only those of equal dcp rank."""
     schedule: WriteSchedule
     stripe_rank: int
-    """The rank vLLM's send thread stripes chunks by (``tp_rank // dcp_size``): consecutive within a
-    replica set, so ``(stripe_rank + group) % factor`` gives every member its own phase."""
+    """The rank vLLM's send thread stripes chunks by (``tp_rank``, or ``tp_rank // dcp_size`` under DCP
+    without PCP): consecutive within a replica set, so ``(stripe_rank + group) % factor`` gives every
+    member its own phase."""
 
 
 @dataclass(frozen=True)

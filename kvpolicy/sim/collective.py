@@ -45,6 +45,9 @@ class ThreadGather:
         return gather
 
     def _wait(self, barrier: threading.Barrier, rank: int) -> int:
+        if barrier.broken:
+            # As on an engine, a TP group that once hung stays unusable; say so instead of timing out again.
+            raise CollectiveTimeout(f"TP rank {rank}: the collective timed out in an earlier round and is broken")
         try:
             return barrier.wait(self.timeout)
         except threading.BrokenBarrierError:

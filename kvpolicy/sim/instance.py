@@ -435,8 +435,8 @@ class Instance:
         if self.multi_group and all_invalid:
             problems.append("block-level load errors on a multi-group model: vLLM's scheduler raises on those")
         used = hit
-        if honour_errors and failed:
-            used = 0
+        if honour_errors and (failed or (all_invalid and self.multi_group)):
+            used = 0  # the request is recomputed (on a multi-group model vLLM's scheduler raises)
         elif honour_errors and all_invalid:
             (table,) = self.load_tables  # one group: block ids are unique
             first = next((index for index, block in enumerate(table) if block in all_invalid), len(table))

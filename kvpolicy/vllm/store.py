@@ -103,7 +103,8 @@ def build_token_databases(
     """One token database per plan group for ``tp_rank``, keyed by the plan's namespaces.
 
     Like upstream, each group's metadata gets ``group_id`` = the group index and ``tp_rank`` = the
-    shard this rank holds (``tp_rank // factor``).
+    plan's shard for this rank (``tp_rank // head factor``; upstream's ``tp_rank // factor`` where
+    there is no DCP).
     """
     if not len(plan.groups) == len(block_sizes) == len(hash_block_sizes):
         raise ValueError(

@@ -270,6 +270,26 @@ def test_identical_stored_bytes_at_two_tp_sizes_share_the_fingerprint(tp_sizes):
     assert small.factors != large.factors and small.fingerprint == large.fingerprint
 
 
+def test_plans_whose_keys_name_different_heads_never_share_a_fingerprint():
+    # 2 KV heads at TP 4 + DCP 2: default repeats each head on 2 ranks, whose dcp ranks differ (sets of
+    # 1), no-dedup on 1 rank; both have factor 1, but the key's shard field names a head run under
+    # default and a rank under no-dedup.
+    gqa = layout(full(num_kv_heads=1), heads=2)
+    topology = Topology(tp_size=4, dcp_size=2)
+    default, no_dedup = (make_plan(load_policy(name), gqa, topology) for name in ("default", "no-dedup"))
+    assert default.groups[0].factor == no_dedup.groups[0].factor == 1
+    assert default.fingerprint != no_dedup.fingerprint
+
+
+def test_bytes_per_token_under_dcp_count_the_tokens_a_rank_holds():
+    mla_layout = layout(mla(page_size_bytes=4096), heads=1)
+    plain = make_plan(load_policy("default"), mla_layout, Topology(tp_size=8))
+    split = make_plan(load_policy("default"), mla_layout, Topology(tp_size=8, dcp_size=2))
+    # A rank's 16-token block holds every other token of a 32-token chunk under DCP 2.
+    assert split.groups[0].bytes_per_token_per_rank == plain.groups[0].bytes_per_token_per_rank / 2
+    assert split.groups[0].written_bytes_per_token == plain.groups[0].written_bytes_per_token
+
+
 def test_the_dcp_size_changes_the_fingerprint():
     # Under DCP a rank's object holds every dcp_size-th token of a chunk, not all of them.
     mqa = layout(mla(), heads=1)

@@ -100,3 +100,11 @@ def test_the_thread_collective_gives_every_rank_every_payload() -> None:
 def test_a_rank_alone_in_the_collective_times_out_instead_of_hanging() -> None:
     with pytest.raises(CollectiveTimeout, match="rank 0 waited"):
         ThreadGather(2, timeout=0.2).member(0)("alone")
+
+
+def test_a_collective_that_timed_out_says_so_on_the_next_gather() -> None:
+    collective = ThreadGather(2, timeout=0.2)
+    with pytest.raises(CollectiveTimeout):
+        collective.member(0)("alone")
+    with pytest.raises(CollectiveTimeout, match="timed out in an earlier round and is broken"):
+        collective.member(1)("late")
