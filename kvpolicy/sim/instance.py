@@ -190,6 +190,8 @@ class Instance:
         self.timeout = timeout
         self.prompt = Prompt(fleet.token_ids, tuple(scheduler.block_hashes(fleet.token_ids, model.hash_block_size)))
         self._collective = ThreadGather(self.tp_size, timeout=timeout)
+        # One thread per rank for the instance's life, as the engine has one process per rank.
+        self._pool = ThreadPoolExecutor(max_workers=self.tp_size, thread_name_prefix=f"sim-{name}")
         self._saves: dict[tuple[int, str], SaveRequest] = {}
         self._loads: dict[int, RankLoad] = {}
         self._load_req_id = f"{fleet.run_id}-{name}-load"
@@ -198,13 +200,17 @@ class Instance:
         )
         stores = [wrap_store(tp_rank, client) if wrap_store else client for tp_rank, client in enumerate(clients)]
         self.ranks: list[Rank] = []
-        started = self._on_ranks(
-            range(self.tp_size),
-            lambda tp_rank: Rank.start(
-                model, policy, tp_rank, stores[tp_rank], gather=self._collective.member(tp_rank)
-            ),
-            cleanup=Rank.stop,
-        )
+        try:
+            started = self._on_ranks(
+                range(self.tp_size),
+                lambda tp_rank: Rank.start(
+                    model, policy, tp_rank, stores[tp_rank], gather=self._collective.member(tp_rank)
+                ),
+                cleanup=Rank.stop,
+            )
+        except BaseException:
+            self._pool.shutdown(wait=True)
+            raise
         self.ranks = list(started)
 
     # --- lifecycle ---
@@ -215,10 +221,8 @@ class Instance:
         """``work(tp_rank)`` on every rank at once (one thread each, as the ranks are processes on an
         engine); the first exception is raised after every rank finished, after ``cleanup`` of the
         results that succeeded."""
-        wanted = list(tp_ranks)
-        with ThreadPoolExecutor(max_workers=max(1, len(wanted)), thread_name_prefix=f"sim-{self.name}") as pool:
-            futures = [pool.submit(work, tp_rank) for tp_rank in wanted]
-            errors = [future.exception() for future in futures]
+        futures = [self._pool.submit(work, tp_rank) for tp_rank in tp_ranks]
+        errors = [future.exception() for future in futures]
         failure = next((error for error in errors if error is not None), None)
         if failure is not None:
             if cleanup is not None:
@@ -232,6 +236,7 @@ class Instance:
         for rank in self.ranks:
             rank.stop()
         self.ranks = []
+        self._pool.shutdown(wait=True)
 
     # --- what the instance runs ---
 

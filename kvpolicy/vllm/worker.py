@@ -314,10 +314,11 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         thread's put steps, stripe rank and participation. The one place a plan is written into upstream's
         attributes after ``__init__``: after registration, and after an audit demotion. Call it while
         no save or load is in flight: the send thread reads all of these per job."""
+        changed = plan is not self._plan
         self._plan = plan
         self._group_tp_replication_factors = plan.factors
         old = list(self.token_dbs)
-        if old:
+        if old and changed:  # at registration they were built from this very plan in __init__
             new = store.build_token_databases(
                 plan,
                 tp_rank=self.tp_rank,
