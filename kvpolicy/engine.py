@@ -21,6 +21,7 @@ from kvpolicy.keys import KeyContext, fingerprint
 from kvpolicy.matcher import match_rule, spec_variables
 from kvpolicy.models import Group, LayerSpecs, Layout, Policy, Replication, Rule, Schedule, Spec, Topology, thawed
 from kvpolicy.plan import GroupPlan, LayerDecision, Plan, RankAssignment, WriteSchedule
+from kvpolicy.store_layout import StoreSharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +49,14 @@ def make_plan(
     *,
     key_context: KeyContext | None = None,
     demoted: Iterable[int] = (),
+    store_sharding: StoreSharding | None = None,
 ) -> Plan:
-    """Plan every group of ``layout``; ``demoted`` groups are forced to factor 1 (audit fallback)."""
+    """Plan every group of ``layout``; ``demoted`` groups are forced to factor 1 (audit fallback).
+    ``store_sharding``: the deployment runs vLLM's TP-sharded store layout
+    (:func:`kvpolicy.store_layout.select_store_layout`)."""
     _check_vllm_accepts(layout, topology)
+    if store_sharding is not None:
+        _check_store_sharding(layout, topology, store_sharding)
     context = key_context or KeyContext.for_model(layout.model)
     demoted = frozenset(demoted)
     variables: dict[str, Value] = {
@@ -64,7 +70,14 @@ def make_plan(
         _decide_group(policy, group, index, variables, topology, demoted=index in demoted)
         for index, group in enumerate(layout.groups)
     ]
-    digest = fingerprint(stored_bytes_identity(policy, topology, decided))
+    if store_sharding is not None:
+        for index, decision in enumerate(decided):
+            _check_sharded_group_unreplicated(index, decision, store_sharding, layout.total_num_kv_heads)
+    digest = fingerprint(
+        stored_bytes_identity(
+            policy, topology, decided, store_sharding=store_sharding, total_num_kv_heads=layout.total_num_kv_heads
+        )
+    )
     skeleton = Plan(
         policy=policy.name,
         model=layout.model,
@@ -76,6 +89,7 @@ def make_plan(
         key_context=context,
         fingerprint=digest,
         groups=(),
+        store_sharding=store_sharding,
     )
     groups = tuple(
         _group_plan(skeleton, index, group, decision, demoted=index in demoted)
@@ -124,7 +138,12 @@ def _check_vllm_accepts(layout: Layout, topology: Topology) -> None:
 
 
 def stored_bytes_identity(
-    policy: Policy, topology: Topology, decided: Iterable[GroupDecision]
+    policy: Policy,
+    topology: Topology,
+    decided: Iterable[GroupDecision],
+    *,
+    store_sharding: StoreSharding | None = None,
+    total_num_kv_heads: int = 0,
 ) -> dict[str, object]:
     """What the plan fingerprint hashes: everything that decides which bytes a stored object holds
     and where it is addressed, and nothing else.
@@ -137,22 +156,95 @@ def stored_bytes_identity(
       page size, fields, layer count);
     * the pp, pcp and dcp sizes (which layers and which tokens a rank holds).
 
+    Under vLLM's TP-sharded store layout an object is one store shard, the same whatever TP size
+    wrote it, so a group is identified instead by the store TP size and format, the heads per store
+    shard, and each spec's signature per store shard (page size divided among a rank's store shards,
+    without the per-rank head count): a TP 4 and a TP 2 instance with one ``store_tp_size`` share.
+
     Not the TP size or the factor themselves: an MQA model at TP 4 and at TP 2 stores one shard of
     identical bytes, so both instances share objects. Not the write schedule: it decides which rank
     writes a chunk, not what the chunk holds. Not the policy's name, rules or audit settings.
     """
-    return {
+    identity: dict[str, object] = {
         "template": policy.key.template,
         "topology": {"pp": topology.pp_size, "pcp": topology.pcp_size, "dcp": topology.dcp_size},
-        "groups": [
+    }
+    if store_sharding is None:
+        identity["groups"] = [
             {
                 "head_runs": topology.tp_size // decision.head_factor,
                 "shards": topology.tp_size // decision.factor,
                 "specs": decision.signature,
             }
             for decision in decided
-        ],
+        ]
+        return identity
+    per_rank = store_sharding.shards_per_rank(topology.tp_size)
+    identity["store"] = {"store_tp": store_sharding.store_tp_size, "format": store_sharding.store_format}
+    identity["groups"] = [
+        {
+            "heads_per_store_shard": total_num_kv_heads // store_sharding.store_tp_size,
+            "specs": [_per_store_shard(spec, per_rank) for spec in decision.signature],
+        }
+        for decision in decided
+    ]
+    return identity
+
+
+def _per_store_shard(signature: Mapping[str, object], shards_per_rank: int) -> dict[str, object]:
+    """A spec signature of :class:`GroupDecision` as one store shard holds it."""
+    fields = signature["fields"]
+    assert isinstance(fields, dict)
+    page_size = signature["page_size_bytes"]
+    assert isinstance(page_size, int)
+    return {
+        **signature,
+        "page_size_bytes": page_size // shards_per_rank,
+        "fields": {name: value for name, value in fields.items() if name != "num_kv_heads"},
     }
+
+
+def _check_store_sharding(layout: Layout, topology: Topology, sharding: StoreSharding) -> None:
+    """Refuse a TP-sharded store layout whose objects would not be whole head shards, naming the
+    constraint vLLM's ``TPShardedStoreLayout`` relies on."""
+    tp, store_tp, heads = topology.tp_size, sharding.store_tp_size, layout.total_num_kv_heads
+    if store_tp % tp:
+        raise PlanError(
+            f"store_tp_size {store_tp} is not a multiple of tp_size {tp}: vLLM's TP-sharded store layout gives "
+            "every rank a whole number of store shards"
+        )
+    if topology.pcp_size != 1 or topology.dcp_size != 1:
+        raise PlanError(
+            "vLLM's TP-sharded store layout splits heads only; with prefill or decode context parallelism a "
+            "rank holds a part of the tokens too (pcp_size and dcp_size must be 1)"
+        )
+    if heads == 0 or heads % store_tp:
+        raise PlanError(
+            f"{heads} KV heads do not split into store_tp_size {store_tp} store shards: vLLM's TP-sharded store "
+            "layout needs total_num_kv_heads to be a multiple of store_tp_size"
+        )
+    for index, group in enumerate(layout.groups):
+        for member in group.members:
+            if not _is_attention(member.spec) or _is_mla(member.spec):
+                raise PlanError(
+                    f"group {index}: vLLM's TP-sharded store layout cuts KV heads, but {member.spec.type} "
+                    "is not a per-head attention cache (vLLM uses the layout for FullAttentionSpec only)"
+                )
+
+
+def _check_sharded_group_unreplicated(
+    index: int, decision: GroupDecision, sharding: StoreSharding, total_num_kv_heads: int
+) -> None:
+    """Under a TP-sharded store every rank holds distinct heads (``total_num_kv_heads >=
+    store_tp_size >= tp_size``); a rule saying ranks repeat them contradicts the layout."""
+    if decision.head_factor == 1:
+        return
+    culprit = next(d for d in decision.layer_decisions if d.factor > 1)
+    raise PlanError(
+        f"group {index}, layer {culprit.layer}: rule '{culprit.rule}' ({culprit.origin}) says {culprit.factor} TP ranks "
+        f"repeat the same heads, but under vLLM's TP-sharded store layout (store_tp_size {sharding.store_tp_size}) "
+        f"the {total_num_kv_heads} KV heads are split over the ranks and each holds its own; give this spec factor 1"
+    )
 
 
 def _decide_group(
@@ -287,7 +379,7 @@ def _group_plan(
     demoted: bool,
 ) -> GroupPlan:
     head_factor, factor, per_rank_bytes = decision.head_factor, decision.factor, decision.bytes_per_token_per_rank
-    topology = skeleton.topology
+    topology, sharding = skeleton.topology, skeleton.store_sharding
     tp_size = topology.tp_size
     shards = tp_size // factor
     replica_sets = [_replica_set(rank, head_factor, topology) for rank in range(tp_size)]
@@ -300,15 +392,21 @@ def _group_plan(
                 skeleton.schedule, _stripe_rank(rank, topology), index, factor, leader=replica_sets[rank][0] == rank
             ),
             stripe_rank=_stripe_rank(rank, topology),
+            store_shards=() if sharding is None else sharding.shards_of(rank, tp_size),
         )
         for rank in range(tp_size)
     )
-    # One namespace per replica set, named by its first rank: (head shard, dcp rank) tell sets apart.
-    leaders = sorted({replica_set[0] for replica_set in replica_sets})
+    if sharding is None:
+        # One namespace per replica set, named by its first rank: (head shard, dcp rank) tell sets apart.
+        leaders = sorted({replica_set[0] for replica_set in replica_sets})
+        namespaces = [(leader // head_factor, leader) for leader in leaders]
+    else:
+        # One namespace per store shard, whichever rank holds it (no PCP or DCP: dcp rank 0).
+        namespaces = [(store_shard, 0) for store_shard in range(sharding.store_tp_size)]
     lookup = tuple(
-        skeleton._prefix(index, leader // head_factor, leader, pcp_rank, pp_rank, demoted)
+        skeleton._prefix(index, shard, tp_rank, pcp_rank, pp_rank, demoted)
         for pcp_rank in range(topology.pcp_size)
-        for leader in leaders
+        for shard, tp_rank in namespaces
         for pp_rank in range(topology.pp_size)
     )
     copies = factor if skeleton.schedule is Schedule.ALL else 1

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvpolicy.keys import KeyContext, render_prefix
 from kvpolicy.models import AuditMode, Schedule, Topology
+from kvpolicy.store_layout import StoreSharding
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,15 @@ class RankAssignment:
     """The rank vLLM's send thread stripes chunks by (``tp_rank``, or ``tp_rank // dcp_size`` under DCP
     without PCP): consecutive within a replica set, so ``(stripe_rank + group) % factor`` gives every
     member its own phase."""
+    store_shards: tuple[int, ...] = ()
+    """Under vLLM's TP-sharded store layout, the store shards whose heads this rank holds: it writes
+    and reads one object per shard and chunk, keyed by the shard (the key's ``{shard}``). Empty for
+    the rank-local layout, where the rank's one object per chunk is keyed by :attr:`shard`."""
+
+    @property
+    def key_shards(self) -> tuple[int, ...]:
+        """The ``{shard}`` of every object this rank writes per chunk of the group."""
+        return self.store_shards or (self.shard,)
 
 
 @dataclass(frozen=True)
@@ -103,15 +113,26 @@ class Plan:
     key_context: KeyContext
     fingerprint: str
     groups: tuple[GroupPlan, ...]
+    store_sharding: StoreSharding | None = None
+    """vLLM's TP-sharded store layout, when the deployment opted into it; None for rank-local objects."""
 
     @property
     def factors(self) -> tuple[int, ...]:
         return tuple(group.factor for group in self.groups)
 
     def key_prefix(self, group: int, tp_rank: int, pcp_rank: int = 0, pp_rank: int = 0) -> str:
-        """The namespace ``tp_rank`` reads and writes for ``group``."""
+        """The namespace ``tp_rank`` reads and writes for ``group`` (its first, under a TP-sharded
+        store layout: see :meth:`key_prefixes`)."""
+        return self.key_prefixes(group, tp_rank, pcp_rank, pp_rank)[0]
+
+    def key_prefixes(self, group: int, tp_rank: int, pcp_rank: int = 0, pp_rank: int = 0) -> tuple[str, ...]:
+        """The namespace of every object ``tp_rank`` writes per chunk of ``group``, in
+        :attr:`RankAssignment.key_shards` order."""
         group_plan = self.groups[group]
-        return self._prefix(group, group_plan.ranks[tp_rank].shard, tp_rank, pcp_rank, pp_rank, group_plan.demoted)
+        return tuple(
+            self._prefix(group, shard, tp_rank, pcp_rank, pp_rank, group_plan.demoted)
+            for shard in group_plan.ranks[tp_rank].key_shards
+        )
 
     def _prefix(self, group: int, shard: int, tp_rank: int, pcp_rank: int, pp_rank: int, demoted: bool) -> str:
         prefix = render_prefix(

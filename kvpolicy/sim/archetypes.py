@@ -187,6 +187,14 @@ ARCHETYPES: Mapping[str, Archetype] = _registry(
         MappingProxyType({"attn": _gqa(_half_tp)}),
     ),
     Archetype(
+        "gqa-8kv",
+        "Llama-style GQA with 8 KV heads in one full-attention group: every rank holds its own heads up to TP 8 "
+        "(vLLM's TP-sharded store layout applies)",
+        8,
+        tuple((_attn(i), "attn") for i in range(2)),
+        MappingProxyType({"attn": _gqa(lambda tp_size: 8)}),
+    ),
+    Archetype(
         "mla",
         "DeepSeek-style MLA: the latent cache is whole on every rank",
         1,

@@ -1,16 +1,22 @@
 """The bytes a rank's KV cache holds for a chunk: the ground truth every check compares with.
 
-A block holds bytes that depend only on the *content* it represents: ``(seed, layer, tensor part,
-N, s, [dcp size, dcp rank,] chunk hash, size)``, where a layer with physical factor ``T``
+Bytes depend only on the *content* they represent. A layer with physical factor ``T``
 (:func:`~kvpolicy.sim.archetypes.physical_factor`) at ``tp`` splits into ``N = tp // T`` distinct
-shards and rank ``r`` holds shard ``s = r // T``. Two ranks — of one instance or of two instances
-at different TP sizes — hold the same content exactly when ``N`` and ``s`` are equal: an MLA latent
-(``N = 1``) is the same at any TP size; a 2-KV-head GQA layer (``N = 2``) is the same at TP 2 and
-TP 4; Mamba / linear-attention state splits into ``N = tp`` shards, so shard ``s`` at TP 2 is not
-shard ``s`` at TP 4 and a cross-TP load of it is wrong. The factor is per layer, not per group, so
-a uniform group's MLA layer is identical on every rank even when the group's factor is smaller.
-Under decode-context parallelism rank ``r`` holds only the tokens of dcp rank ``r % dcp_size``, so
-ranks of different dcp rank never hold the same content.
+shards and rank ``r`` holds shard ``s = r // T``.
+
+* An attention layer's block is its KV heads (dimension 1 of vLLM's logical ``(blocks, heads,
+  tokens, content)`` tensor): shard ``s`` holds heads ``s * h .. s * h + h - 1`` of the model, ``h``
+  being the rank's head count, and head ``g`` holds ``(seed, layer, tensor part, g, [dcp size, dcp
+  rank,] chunk hash, size)``. A head is the same whichever TP size holds it: an MLA latent (one
+  head) at any TP size, a 2-KV-head GQA layer at TP 2 and TP 4, and head 3 of an 8-head model on
+  rank 1 at TP 2 and on rank 3 at TP 8, which is what vLLM's TP-sharded store layout relies on.
+* Any other layer (Mamba / linear-attention state) holds ``(seed, layer, tensor part, N, s, ...)``
+  as a whole: state splits into ``N = tp`` shards, so shard ``s`` at TP 2 is not shard ``s`` at TP 4
+  and a cross-TP load of it is wrong.
+
+The factor is per layer, not per group, so a uniform group's MLA layer is identical on every rank
+even when the group's factor is smaller. Under decode-context parallelism rank ``r`` holds only the
+tokens of dcp rank ``r % dcp_size``, so ranks of different dcp rank never hold the same content.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any
 import torch
 from vllm.v1.core.kv_cache_utils import BlockHash
 
-__all__ = ["block_bytes", "content_id", "layer_tensors", "truth"]
+__all__ = ["block_bytes", "block_pieces", "content_id", "layer_tensors", "truth"]
 
 
 def layer_tensors(value: Any) -> list[torch.Tensor]:
@@ -35,12 +41,34 @@ def block_bytes(view: torch.Tensor, block_id: int) -> torch.Tensor:
     return view[block_id].view(torch.uint8)
 
 
-def content_id(layer: str, part: int, tp_rank: int, tp_size: int, true_factor: int, dcp_size: int = 1) -> str:
-    """What rank ``tp_rank`` of a ``tp_size`` instance holds in tensor ``part`` of ``layer``: its heads
-    (shard ``tp_rank // true_factor`` of ``tp_size // true_factor``) and, under decode-context
-    parallelism, its tokens (dcp rank ``tp_rank % dcp_size``)."""
-    heads = f"{layer}#{part}/of{tp_size // true_factor}/{tp_rank // true_factor}"
-    return heads if dcp_size == 1 else f"{heads}/dcp{dcp_size}/{tp_rank % dcp_size}"
+def block_pieces(view: torch.Tensor, block_id: int, *, headed: bool) -> list[tuple[int | None, torch.Tensor]]:
+    """(local head, bytes) of one block: per KV head for an attention layer (``headed``), else the
+    whole block with head None."""
+    block = block_bytes(view, block_id)
+    if not headed:
+        return [(None, block)]
+    return [(head, block[head]) for head in range(block.shape[0])]
+
+
+def content_id(
+    layer: str,
+    part: int,
+    tp_rank: int,
+    tp_size: int,
+    true_factor: int,
+    dcp_size: int = 1,
+    head: int | None = None,
+) -> str:
+    """What rank ``tp_rank`` of a ``tp_size`` instance holds in tensor ``part`` of ``layer`` — in its
+    local KV head ``head`` for an attention layer, else as a whole: the model's head (or the shard
+    ``tp_rank // true_factor`` of ``tp_size // true_factor``) and, under decode-context parallelism,
+    its tokens (dcp rank ``tp_rank % dcp_size``)."""
+    shard = tp_rank // true_factor
+    if head is None:
+        what = f"{layer}#{part}/of{tp_size // true_factor}/{shard}"
+    else:
+        what = f"{layer}#{part}/head{head}"
+    return what if dcp_size == 1 else f"{what}/dcp{dcp_size}/{tp_rank % dcp_size}"
 
 
 def truth(seed: int, content: str, chunk_hash: BlockHash, size: int) -> torch.Tensor:
@@ -60,7 +88,13 @@ def rank_truth(
     chunk_hash: BlockHash,
     size: int,
     dcp_size: int = 1,
+    *,
+    local_head: int | None = None,
+    local_heads: int = 1,
 ) -> torch.Tensor:
-    """The bytes rank ``tp_rank`` holds in tensor ``part`` of ``layer`` for ``chunk_hash``."""
-    content = content_id(layer, part, tp_rank, tp_size, layer_true_factors[layer], dcp_size)
+    """The bytes rank ``tp_rank`` holds in tensor ``part`` of ``layer`` for ``chunk_hash``: in its
+    ``local_head`` of ``local_heads`` for an attention layer, else as a whole."""
+    true_factor = layer_true_factors[layer]
+    head = None if local_head is None else (tp_rank // true_factor) * local_heads + local_head
+    content = content_id(layer, part, tp_rank, tp_size, true_factor, dcp_size, head)
     return truth(seed, content, chunk_hash, size)

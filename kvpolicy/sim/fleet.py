@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -98,12 +99,16 @@ class Fleet:
         blocks_needed: int | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
         dcp_size: int = 1,
+        extra_config: Mapping[str, object] = MappingProxyType({}),
+        kv_cache_layout: str | None = None,
     ) -> Instance:
         """Start a ``tp_size``-rank instance under ``policy`` (None: vLLM's own ``MooncakeStoreWorker``
         rules); ``wrap_store(tp_rank, client)`` may return a wrapper (e.g.
         :class:`kvpolicy.mooncake.faults.FaultyStore`) the rank uses instead of the client.
         ``blocks_needed`` defaults to one request's blocks per group plus :data:`SPARE_BLOCKS`;
-        ``dcp_size`` > 1 runs decode-context parallelism (:func:`~kvpolicy.sim.model.build_model`)."""
+        ``dcp_size`` > 1 runs decode-context parallelism; ``extra_config`` adds connector options
+        (``store_tp_size`` …) to the fleet's ``cache_prefix``; ``kv_cache_layout`` is the KV cache
+        layout the attention backends declare (:func:`~kvpolicy.sim.model.build_model`)."""
         if self._closed:
             raise RuntimeError("the fleet is closed")
         chunks = math.ceil(self.num_tokens / BLOCK_SIZE)
@@ -112,8 +117,9 @@ class Fleet:
             tp_size,
             model_name=self.model_name,
             blocks_needed=blocks_needed or SPARE_BLOCKS + self.archetype.distinct_kinds * chunks,
-            extra_config={"cache_prefix": self.run_id},
+            extra_config={**extra_config, "cache_prefix": self.run_id},
             dcp_size=dcp_size,
+            kv_cache_layout=kv_cache_layout,
         )
         clients = self.clients.acquire(tp_size)
         self._leased.extend(clients)

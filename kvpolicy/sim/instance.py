@@ -277,12 +277,33 @@ class Instance:
 
     # --- ground truth ---
 
-    def truth(self, tp_rank: int, layer: str, part: int, chunk_hash: Any, size: int) -> Any:
-        """The bytes rank ``tp_rank`` of this instance holds in ``layer``'s tensor ``part`` for a chunk."""
+    def truth(
+        self,
+        tp_rank: int,
+        layer: str,
+        part: int,
+        chunk_hash: Any,
+        size: int,
+        *,
+        local_head: int | None = None,
+        local_heads: int = 1,
+    ) -> Any:
+        """The bytes rank ``tp_rank`` of this instance holds in ``layer``'s tensor ``part`` for a chunk
+        (in its KV head ``local_head`` of ``local_heads``, for an attention layer)."""
         return content.rank_truth(
             self.fleet.seed, self.model.layer_true_factors, tp_rank, self.tp_size, layer, part, chunk_hash, size,
-            self.model.dcp_size,
+            self.model.dcp_size, local_head=local_head, local_heads=local_heads,
         )
+
+    def _pieces(self, rank: Rank, layer: str, block_id: int) -> list[tuple[int, int | None, int, Any]]:
+        """(tensor part, local head, local heads, bytes) of ``layer``'s block ``block_id`` on ``rank``:
+        per KV head for an attention layer (:mod:`kvpolicy.sim.content`)."""
+        headed = layer in self.model.attention_layers
+        pieces = []
+        for part, view in enumerate(content.layer_tensors(rank.kv_caches[layer])):
+            for head, data in content.block_pieces(view, block_id, headed=headed):
+                pieces.append((part, head, view.shape[1] if headed else 1, data))
+        return pieces
 
     def fill(self, rank: Rank, request: SaveRequest) -> None:
         """The forward pass's result: every block of ``request`` holds the rank's truth."""
@@ -293,9 +314,11 @@ class Instance:
                 if block_id == NULL_BLOCK_ID or hashed is None:
                     continue
                 for layer in group.layer_names:
-                    for part, view in enumerate(content.layer_tensors(rank.kv_caches[layer])):
-                        target = content.block_bytes(view, block_id)
-                        target.copy_(self.truth(rank.tp_rank, layer, part, hashed, target.numel()).view(target.shape))
+                    for part, head, heads, target in self._pieces(rank, layer, block_id):
+                        expected = self.truth(
+                            rank.tp_rank, layer, part, hashed, target.numel(), local_head=head, local_heads=heads
+                        )
+                        target.copy_(expected.view(target.shape))
 
     # --- save, lookup, load ---
 
@@ -485,16 +508,22 @@ class Instance:
                 for rank in self.ranks:
                     checked[index] += loaded
                     for layer in group.layer_names:
-                        for part, view in enumerate(content.layer_tensors(rank.kv_caches[layer])):
-                            got = content.block_bytes(view, block_id).reshape(-1)
+                        wrong_parts = set()
+                        for part, head, heads, data in self._pieces(rank, layer, block_id):
+                            got = data.reshape(-1)
                             if loaded:
-                                same = got.equal(self.truth(rank.tp_rank, layer, part, hashed, got.numel()))
+                                expected = self.truth(
+                                    rank.tp_rank, layer, part, hashed, got.numel(), local_head=head, local_heads=heads
+                                )
+                                same = got.equal(expected)
                             else:
                                 same = not bool(got.any())
                             if not same:
-                                wrong.append(
-                                    WrongBlock(rank.tp_rank, index, chunk, layer, "own bytes" if loaded else "zero")
-                                )
+                                wrong_parts.add(part)
+                        wrong.extend(
+                            WrongBlock(rank.tp_rank, index, chunk, layer, "own bytes" if loaded else "zero")
+                            for _ in sorted(wrong_parts)
+                        )
         return wrong, checked
 
     def _stray(self) -> list[tuple[int, int, int]]:

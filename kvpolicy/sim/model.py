@@ -14,7 +14,7 @@ from vllm.v1.core.kv_cache_utils import (
     resolve_dcp_kv_cache_spec,
     resolve_kv_cache_block_sizes,
 )
-from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 
 from kvpolicy.models import Layout
 from kvpolicy.sim.archetypes import BLOCK_SIZE, Archetype, get_archetype, group_true_factor
@@ -40,6 +40,8 @@ class SimulatedModel:
     """Layer → consecutive TP ranks repeating its heads (:func:`~kvpolicy.sim.archetypes.physical_factor`)."""
     dcp_size: int = 1
     """Decode-context parallelism: rank ``r`` holds the tokens of dcp rank ``r % dcp_size``."""
+    attention_layers: frozenset[str] = frozenset()
+    """Layers whose blocks are KV heads (an ``AttentionSpec``), which the ground truth models per head."""
 
     @property
     def total_num_kv_heads(self) -> int:
@@ -77,13 +79,17 @@ def build_model(
     blocks_needed: int,
     extra_config: Mapping[str, object] = MappingProxyType({}),
     dcp_size: int = 1,
+    kv_cache_layout: str | None = None,
 ) -> SimulatedModel:
     """vLLM's ``KVCacheConfig`` for ``archetype`` at ``tp_size``: layers grouped by vLLM's
     ``get_kv_cache_groups`` and sized by ``get_kv_cache_config_from_groups`` for ``blocks_needed``
     blocks, with prefix caching and Mamba ``align`` mode on, as a hybrid engine runs.
     ``extra_config`` is the ``kv_connector_extra_config`` the workers read. ``dcp_size`` > 1 runs
     decode-context parallelism: vLLM's CPU platform refuses it when the config is validated, so it is
-    set on the parallel config afterwards, where the coordinator and the block-size resolution read it."""
+    set on the parallel config afterwards, where the coordinator and the block-size resolution read it.
+    ``kv_cache_layout`` (a ``KVCacheLayout`` name, e.g. ``LBHNC``, the one vLLM's CPU attention
+    backend supports) is the layout the attention backends would declare; by default vLLM's own
+    preference for backends that declare none."""
     shape = get_archetype(archetype)
     if tp_size < 1:
         raise ValueError(f"tp_size must be positive, got {tp_size}")
@@ -99,8 +105,9 @@ def build_model(
     vllm_config.parallel_config.decode_context_parallel_size = dcp_size
     specs = shape.specs(tp_size)
     # The engine core resolves one layout from what the attention backends support; there are no
-    # backends here, so vLLM's default preference (what undeclared backends get).
-    resolve_kv_cache_layout(vllm_config, [[layout.name for layout in get_supported_kv_cache_layouts(())]], specs.values())
+    # backends here, so the given one or vLLM's default preference (what undeclared backends get).
+    supported = [kv_cache_layout] if kv_cache_layout else [layout.name for layout in get_supported_kv_cache_layouts(())]
+    resolve_kv_cache_layout(vllm_config, [supported], specs.values())
     groups = get_kv_cache_groups(vllm_config, dict(specs))
     bytes_per_block = sum(spec.page_size_bytes for spec in specs.values())
     kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, blocks_needed * bytes_per_block)
@@ -116,4 +123,5 @@ def build_model(
         hash_block_size=hash_block_size,
         layer_true_factors=MappingProxyType(shape.true_factors(tp_size)),
         dcp_size=dcp_size,
+        attention_layers=frozenset(layer for layer, spec in specs.items() if isinstance(spec, AttentionSpec)),
     )

@@ -12,9 +12,13 @@ from collections.abc import Sequence
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     ChunkedTokenDatabase,
     KeyMetadata,
+    LBHNCStoreLayout,
+    LBNHCStoreLayout,
     RankLocalStoreLayout,
     RankNamespace,
+    StoreLayout,
     StoreShardId,
+    TPShardedStoreLayout,
 )
 from vllm.v1.core.kv_cache_utils import BlockHash
 
@@ -22,6 +26,9 @@ from kvpolicy.keys import chunk_key
 from kvpolicy.plan import GroupPlan, Plan
 
 __all__ = [
+    "PlanLBHNCStoreLayout",
+    "PlanLBNHCStoreLayout",
+    "PlanShardedStoreLayout",
     "PlanStoreLayout",
     "build_token_databases",
     "group_participates",
@@ -72,6 +79,76 @@ class PlanStoreLayout(RankLocalStoreLayout):
         return self._lookup_prefixes
 
 
+class PlanShardedStoreLayout(TPShardedStoreLayout):
+    """vLLM's TP-sharded payload layout (one object per store shard of heads), with the key of every
+    store shard and the lookup set taken from a plan made with that :class:`~kvpolicy.store_layout.StoreSharding`.
+
+    Payload addressing is upstream's (:class:`PlanLBHNCStoreLayout`, :class:`PlanLBNHCStoreLayout`
+    mix this into ``LBHNCStoreLayout`` / ``LBNHCStoreLayout``); the store shards a rank owns must be
+    the plan's, so the plan's keys name the bytes the rank actually writes.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        group: int,
+        *,
+        tp_rank: int,
+        pcp_rank: int,
+        pp_rank: int,
+        metadata: KeyMetadata,
+        block_size: int,
+        hash_block_size: int,
+        num_kv_heads: int,
+    ) -> None:
+        sharding = plan.store_sharding
+        if sharding is None:
+            raise ValueError("the plan has no TP-sharded store layout (plan it with store_sharding)")
+        if sharding.store_format != self.store_format:
+            raise ValueError(f"the plan stores {sharding.store_format}, this layout writes {self.store_format}")
+        super().__init__(
+            metadata,
+            block_size,
+            hash_block_size,
+            local_tp_size=plan.topology.tp_size,
+            store_tp_size=sharding.store_tp_size,
+            tp_rank=tp_rank,
+            num_kv_heads=num_kv_heads,
+        )
+        assigned = plan.groups[group].ranks[tp_rank].store_shards
+        if tuple(self.store_shard_ids) != assigned:
+            raise ValueError(
+                f"tp_rank {tp_rank} holds store shards {list(self.store_shard_ids)} but the plan assigns {list(assigned)}"
+            )
+        self.plan = plan
+        self.group = group
+        self._plan_prefixes = dict(zip(assigned, plan.key_prefixes(group, tp_rank, pcp_rank, pp_rank), strict=True))
+        self._lookup_prefixes = plan.groups[group].lookup_namespaces
+
+    def key_for(self, shard_id: StoreShardId, chunk_hash: BlockHash) -> str:
+        prefix = self._plan_prefixes.get(shard_id)
+        if prefix is None:
+            raise ValueError(f"store shard {shard_id} is not one of this rank's {sorted(self._plan_prefixes)}")
+        return chunk_key(prefix, chunk_hash.hex())
+
+    def lookup_key_prefixes(self, rank_namespaces: Sequence[RankNamespace] = ()) -> tuple[str, ...]:
+        """The plan's lookup namespaces: every store shard's, at every pp rank."""
+        return self._lookup_prefixes
+
+
+class PlanLBHNCStoreLayout(PlanShardedStoreLayout, LBHNCStoreLayout):
+    """:class:`PlanShardedStoreLayout` over vLLM's head-major (``tp_shared_lbhnc``) payload."""
+
+
+class PlanLBNHCStoreLayout(PlanShardedStoreLayout, LBNHCStoreLayout):
+    """:class:`PlanShardedStoreLayout` over vLLM's token-major (``tp_shared_lbnhc``) payload."""
+
+
+_SHARDED_LAYOUTS: dict[str, type[PlanShardedStoreLayout]] = {
+    layout.store_format: layout for layout in (PlanLBHNCStoreLayout, PlanLBNHCStoreLayout)
+}
+
+
 def _check_metadata(plan: Plan, metadata: KeyMetadata, *, tp_rank: int, pcp_rank: int, pp_rank: int) -> None:
     """Refuse metadata that disagrees with the plan: vLLM would put it in group ids and events
     while the keys say something else."""
@@ -99,12 +176,14 @@ def build_token_databases(
     block_sizes: Sequence[int],
     hash_block_sizes: Sequence[int],
     metadata: KeyMetadata,
+    num_kv_heads: int | None = None,
 ) -> list[ChunkedTokenDatabase]:
     """One token database per plan group for ``tp_rank``, keyed by the plan's namespaces.
 
     Like upstream, each group's metadata gets ``group_id`` = the group index and ``tp_rank`` = the
     plan's shard for this rank (``tp_rank // head factor``; upstream's ``tp_rank // factor`` where
-    there is no DCP).
+    there is no DCP). A plan with a TP-sharded store layout needs ``num_kv_heads``, the model's
+    total KV heads (upstream's ``num_kv_head``), to cut them into store shards.
     """
     if not len(plan.groups) == len(block_sizes) == len(hash_block_sizes):
         raise ValueError(
@@ -119,16 +198,32 @@ def build_token_databases(
         group_metadata = dataclasses.replace(
             metadata, group_id=group, tp_rank=plan.groups[group].ranks[tp_rank].shard
         )
-        layout = PlanStoreLayout(
-            plan,
-            group,
-            tp_rank=tp_rank,
-            pcp_rank=pcp_rank,
-            pp_rank=pp_rank,
-            metadata=group_metadata,
-            block_size=block_size,
-            hash_block_size=hash_block_size,
-        )
+        layout: StoreLayout
+        if plan.store_sharding is None:
+            layout = PlanStoreLayout(
+                plan,
+                group,
+                tp_rank=tp_rank,
+                pcp_rank=pcp_rank,
+                pp_rank=pp_rank,
+                metadata=group_metadata,
+                block_size=block_size,
+                hash_block_size=hash_block_size,
+            )
+        else:
+            if num_kv_heads is None:
+                raise ValueError("a TP-sharded store layout needs num_kv_heads")
+            layout = _SHARDED_LAYOUTS[plan.store_sharding.store_format](
+                plan,
+                group,
+                tp_rank=tp_rank,
+                pcp_rank=pcp_rank,
+                pp_rank=pp_rank,
+                metadata=group_metadata,
+                block_size=block_size,
+                hash_block_size=hash_block_size,
+                num_kv_heads=num_kv_heads,
+            )
         databases.append(
             ChunkedTokenDatabase(group_metadata, block_size, hash_block_size=hash_block_size, store_layout=layout)
         )
@@ -191,5 +286,8 @@ def lookup_key_prefixes(plan: Plan) -> tuple[tuple[str, ...], ...]:
 
 
 def chunk_object_size(database: ChunkedTokenDatabase) -> int:
-    """Bytes of one stored chunk object of a group on one rank (one block of every region)."""
-    return sum(database.prepare_value_for_block(1)[1])
+    """Bytes of one stored chunk object of a group on one rank: one block of every region, or under
+    a TP-sharded store layout one store shard's part of it."""
+    layout = database.store_layout
+    _, sizes, _ = layout.prepare_values([(0, database.block_size)], [1], [layout.local_shard_ids[0]])
+    return sum(sizes[0])

@@ -34,6 +34,7 @@ from kvpolicy.loader import schemas_dir
 from kvpolicy.models import Layout, Policy, Topology
 from kvpolicy.plan import Plan
 from kvpolicy.report import format_plan_table, plan_to_json
+from kvpolicy.store_layout import StoreSharding
 from kvpolicy.vllm import audit as online_audit
 from kvpolicy.vllm import store
 from kvpolicy.vllm.layout import layout_from_kv_cache_config
@@ -151,6 +152,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._gather = gather
         self._last_lookup_gated = False
         self._store_namespace = ""
+        self._store_sharding: StoreSharding | None = None
         self._plan: Plan | None = None
         self._audit: AuditState | None = None
         self._gate = online_audit.LookupGate()
@@ -183,16 +185,14 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
     def _select_store_layout(
         self, extra_config: dict[str, Any]
     ) -> tuple[int | None, str, type[TPShardedStoreLayout] | None]:
-        # Upstream computes the store namespace here and passes it on only inside KeyMetadata,
-        # after the factors are needed; keep it so the plan's keys carry it.
+        # Upstream computes the store namespace and layout here and passes them on only inside
+        # KeyMetadata and _build_token_databases, after the factors are needed; keep them so the
+        # plan is made for the store layout this worker will run.
         store_tp_size, store_namespace, layout_cls = super()._select_store_layout(extra_config)
-        if layout_cls is not None:
-            raise ValueError(
-                "kvpolicy: store_tp_size / enable_store_tp_lcm selected vLLM's TP-sharded store layout "
-                f"({layout_cls.__name__}), whose keys are per store shard rather than per replica set; "
-                "kvpolicy plans cannot describe it. Remove those options or use MooncakeStoreConnector."
-            )
         self._store_namespace = store_namespace
+        if layout_cls is not None:
+            assert store_tp_size is not None
+            self._store_sharding = StoreSharding(store_tp_size, layout_cls.store_format)
         return store_tp_size, store_namespace, layout_cls
 
     def _make_plan(self) -> Plan:
@@ -213,8 +213,10 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         context = KeyContext.for_model(self._model, self._cache_prefix, self._store_namespace)
         policy = self._policy
 
+        sharding = self._store_sharding
+
         def replan(demoted: frozenset[int]) -> Plan:
-            return make_plan(policy, layout, topology, key_context=context, demoted=demoted)
+            return make_plan(policy, layout, topology, key_context=context, demoted=demoted, store_sharding=sharding)
 
         declared = replan(frozenset())
         if len(declared.groups) != len(self._kv_cache_groups):
@@ -276,7 +278,10 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         metadata: KeyMetadata,
         layout_cls: type[TPShardedStoreLayout] | None,
     ) -> list[ChunkedTokenDatabase]:
-        assert layout_cls is None  # refused in _select_store_layout
+        plan = self._require_plan()
+        planned = None if plan.store_sharding is None else plan.store_sharding.store_format
+        if planned != (None if layout_cls is None else layout_cls.store_format):
+            raise RuntimeError(f"kvpolicy planned store format {planned} but vLLM selected {layout_cls}")
         groups = self._kv_cache_groups
         return store.build_token_databases(
             self._require_plan(),
@@ -290,6 +295,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
                 for group in groups
             ],
             metadata=metadata,
+            num_kv_heads=self.num_kv_head,
         )
 
     def _init_lookup_key_prefixes(self) -> None:
@@ -319,6 +325,9 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._group_tp_replication_factors = plan.factors
         old = list(self.token_dbs)
         if old and changed:  # at registration they were built from this very plan in __init__
+            if plan.store_sharding is not None:
+                # Unreachable: under a TP-sharded store every group has factor 1, so no audit demotes.
+                raise RuntimeError("kvpolicy: a TP-sharded store layout is never re-planned")
             new = store.build_token_databases(
                 plan,
                 tp_rank=self.tp_rank,
