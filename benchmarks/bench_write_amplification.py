@@ -26,14 +26,19 @@ Under decode-context parallelism (``--dcp``) a rank holds every ``dcp``-th token
 physical replica set is the ranks of equal dcp rank among those repeating a head (MLA at tp 8, dcp 2:
 4 ranks); vLLM's own rule writes every rank's copy there (vllm#51386).
 
-    python benchmarks/bench_write_amplification.py [--tp 2 4 8] [--dcp 1 2 4] [--tokens 256] [--layouts NAME ...]
-        [--policies default vllm-compat no-dedup PATH ...] [--layers-per-group N] [--detail]
+With ``--store-tp`` the layouts vLLM stores TP-sharded (``store_tp_size``, an LBHNC KV cache: one
+full-attention group whose KV heads divide into store shards) get rows of their own, run with the
+model's own per-rank KV heads (the store shards cut them): every chunk is one object per store shard.
+
+    python benchmarks/bench_write_amplification.py [--tp 2 4 8] [--dcp 1 2 4] [--store-tp 8] [--tokens 256]
+        [--layouts NAME ...] [--policies default vllm-compat no-dedup PATH ...] [--layers-per-group N] [--detail]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 import tempfile
 import time
 from pathlib import Path
@@ -69,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         "--dcp", type=int, nargs="+", default=[1, 2, 4],
         help="decode-context-parallel sizes (each divides tp; a (tp, dcp) pair it does not divide is skipped)",
     )
+    parser.add_argument(
+        "--store-tp", type=int, nargs="*", default=[8],
+        help="store_tp_size values for TP-sharded store rows (layouts vLLM shards; tp sizes dividing it)",
+    )
     parser.add_argument("--tokens", type=int, default=256, help="prompt length (block size 16)")
     parser.add_argument("--layouts", nargs="*", help="layout file stems (default: all in examples/layouts)")
     parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), help="shipped names or paths")
@@ -85,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvpolicy.mooncake.native_log import native_stderr_to
     from kvpolicy.mooncake.pool import ClientPool
     from kvpolicy.sim import archetype_from_layout, run_consistency
+    from kvpolicy.store_layout import select_store_layout
 
     policies = [load_policy(name) for name in args.policies]
     layouts = example_layouts(args.layouts)
@@ -98,23 +108,40 @@ def main(argv: list[str] | None = None) -> int:
     with native_stderr_to(log), MooncakeMaster() as master, ClientPool(master, segment_mib=32) as pool:
         for stem, layout in layouts:
             archetype = archetype_from_layout(layout, layers_per_group=args.layers_per_group)
+            with_real_heads = archetype_from_layout(layout, layers_per_group=args.layers_per_group, num_kv_heads=None)
             stateful = any("MambaSpec" in member.spec.classes for group in layout.groups for member in group.members)
-            topologies = [
-                (tp, dcp)
+            topologies: list[tuple[int, int, int | None]] = [
+                (tp, dcp, None)
                 for tp in args.tp
                 for dcp in args.dcp
                 if tp % dcp == 0 and not (stateful and dcp > 1) and vllm_accepts(layout, tp, dcp)
             ]
+            topologies += [
+                (tp, 1, store_tp)
+                for store_tp in args.store_tp
+                for tp in args.tp
+                if select_store_layout(
+                    layout, Topology(tp_size=tp), {"store_tp_size": store_tp}, kv_cache_layout="LBHNC"
+                ).sharding
+                is not None
+            ]
             if stateful and max(args.dcp) > 1:
                 skipped.append(stem)
-            for turn, (tp_size, dcp_size) in enumerate(topologies):
+            for turn, (tp_size, dcp_size, store_tp) in enumerate(topologies):
+                store_options: dict[str, Any] = (
+                    {}
+                    if store_tp is None
+                    else {"extra_config": {"store_tp_size": store_tp}, "kv_cache_layout": "LBHNC"}
+                )
+                row_archetype = archetype if store_tp is None else with_real_heads
+                row_label = "rank-local" if store_tp is None else f"store_tp {store_tp}"
                 # Policies alternate in a rotating order, so none always runs first on a warm master.
                 ordered = policies[turn % len(policies):] + policies[: turn % len(policies)]
                 results = {}
                 for policy in ordered:
                     report = run_consistency(
-                        policy, archetype, tp_size, master=master, clients=pool, num_tokens=args.tokens,
-                        dcp_size=dcp_size,
+                        policy, row_archetype, tp_size, master=master, clients=pool, num_tokens=args.tokens,
+                        dcp_size=dcp_size, **store_options,
                     )
                     reference = make_plan(policy, layout, Topology(tp_size=tp_size, dcp_size=dcp_size)).factors
                     if tuple(group.factor for group in report.groups) != reference:
@@ -138,12 +165,15 @@ def main(argv: list[str] | None = None) -> int:
                     bytes_ratio = _ratio(report.bytes_written, report.unique_bytes)
                     cells += [objects_ratio, bytes_ratio]
                     if policy.name == "default" and (objects_ratio, bytes_ratio) != ("1.00", "1.00"):
-                        misses.append(f"{stem} tp={tp_size} dcp={dcp_size}: objects {objects_ratio}, bytes {bytes_ratio}")
+                        misses.append(
+                            f"{stem} tp={tp_size} dcp={dcp_size} {row_label}: objects {objects_ratio}, bytes {bytes_ratio}"
+                        )
                     detail.append(
                         (
                             stem,
                             tp_size,
                             dcp_size,
+                            row_label,
                             policy.name,
                             ",".join(str(group.factor) for group in report.groups),
                             report.objects_written,
@@ -157,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     )
                 physical = ",".join(str(group.true_factor) for group in results[policies[0].name].groups)
-                summary.append((stem, tp_size, dcp_size, physical, *cells, "yes" if all_consistent else "NO"))
+                summary.append(
+                    (stem, tp_size, dcp_size, row_label, physical, *cells, "yes" if all_consistent else "NO")
+                )
     elapsed = time.monotonic() - started
     print(
         f"Write amplification of a cold save (objects / unique objects, bytes / unique bytes): {args.tokens}-token "
@@ -169,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "weights groups by their scaled-down sizes."
     )
     print()
-    headers = ["layout", "tp", "dcp", "physical factors"]
+    headers = ["layout", "tp", "dcp", "store", "physical factors"]
     for policy in policies:
         headers += [f"{policy.name} obj", f"{policy.name} bytes"]
     headers.append("consistent")
@@ -179,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             table(
                 (
-                    "layout", "tp", "dcp", "policy", "factors", "objects", "unique obj", "obj/unique",
+                    "layout", "tp", "dcp", "store", "policy", "factors", "objects", "unique obj", "obj/unique",
                     "KiB", "unique KiB", "bytes/unique", "per group", "consistent",
                 ),
                 detail,
@@ -187,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print()
     print(
-        "target: default reaches 1.00 for every layout, tp and dcp: "
+        "target: default reaches 1.00 for every layout, tp, dcp and store layout: "
         + ("MET" if not misses else "MISSED: " + "; ".join(misses))
     )
     if skipped:

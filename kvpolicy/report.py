@@ -68,6 +68,14 @@ def format_plan_table(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | No
         f"plan: policy {plan.policy}, model {plan.model}, tp={topology.tp_size} pp={topology.pp_size} "
         f"pcp={topology.pcp_size} dcp={topology.dcp_size}, schedule {plan.schedule.value}, fingerprint {plan.fingerprint}"
     ]
+    sharding = plan.store_sharding
+    if sharding is not None:
+        lines.append(
+            f"store: TP-sharded ({sharding.store_format}), {sharding.store_tp_size} store shards, "
+            f"{sharding.shards_per_rank(topology.tp_size)} objects per chunk on each rank"
+        )
+    elif plan.key_context.store_namespace:
+        lines.append(f"store namespace: {plan.key_context.store_namespace}")
     for index, row in enumerate(rows):
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
         if index == 0:
@@ -109,6 +117,12 @@ def plan_to_json(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = 
         "schedule": plan.schedule.value,
         "fingerprint": plan.fingerprint,
         "audit": {"mode": plan.audit_mode.value, "steps": plan.audit_steps},
+        "store": {
+            "namespace": plan.key_context.store_namespace,
+            "sharding": None
+            if plan.store_sharding is None
+            else {"store_tp_size": plan.store_sharding.store_tp_size, "format": plan.store_sharding.store_format},
+        },
         "groups": [
             {
                 "index": group.index,
@@ -129,6 +143,7 @@ def plan_to_json(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = 
                         "shard": rank.shard,
                         "replica_set": list(rank.replica_set),
                         "stripe_rank": rank.stripe_rank,
+                        "store_shards": list(rank.store_shards),
                         "writes": {
                             "schedule": rank.schedule.kind.value,
                             "step": rank.schedule.step,

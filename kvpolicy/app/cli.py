@@ -15,9 +15,11 @@ from pathlib import Path
 from kvpolicy import schema
 from kvpolicy.diagnostics import Diagnostic, DocumentError, PlanError
 from kvpolicy.engine import make_plan
+from kvpolicy.keys import KeyContext
 from kvpolicy.loader import check_file, load_layout, load_policy, schemas_dir, shipped_policy_names
 from kvpolicy.models import Policy, Topology
 from kvpolicy.report import format_explanation, format_plan_table, format_traffic, plan_to_json, traffic_to_json
+from kvpolicy.store_layout import select_store_layout
 from kvpolicy.traffic import prompt_traffic
 
 
@@ -78,6 +80,24 @@ def _non_negative(text: str) -> int:
     return value
 
 
+KV_CACHE_LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+"""vLLM 0.32's ``KVCacheLayout`` names; only LBHNC and LBNHC have a TP-sharded store layout."""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 1 <= value <= 4096:
+        raise argparse.ArgumentTypeError(f"expected a size between 1 and 4096, got {value}")
+    return value
+
+
+def _tp_sizes(text: str) -> tuple[int, ...]:
+    return tuple(_positive(part.strip()) for part in text.split(","))
+
+
 def _topology(args: argparse.Namespace) -> Topology:
     """The topology the flags give; a size vLLM would refuse is a ``ValueError`` of one line per problem."""
     from pydantic import ValidationError
@@ -94,10 +114,27 @@ def _topology(args: argparse.Namespace) -> Topology:
         raise ValueError("; ".join(problems)) from None
 
 
+def _store_options(args: argparse.Namespace) -> dict[str, object]:
+    """``kv_connector_extra_config`` as the store flags set it (argparse lets at most one through)."""
+    if args.store_tp is not None:
+        return {"store_tp_size": args.store_tp}
+    if args.store_tp_lcm is not None:
+        return {"enable_store_tp_lcm": True, "prefill_tp_sizes": list(args.store_tp_lcm)}
+    return {}
+
+
 def _plan(args: argparse.Namespace) -> int:
     policy = load_policy(args.policy)
     layout = load_layout(args.layout)
-    result = make_plan(policy, layout, _topology(args))
+    topology = _topology(args)
+    store = select_store_layout(layout, topology, _store_options(args), kv_cache_layout=args.kv_cache_layout)
+    result = make_plan(
+        policy,
+        layout,
+        topology,
+        key_context=KeyContext.for_model(layout.model, "", store.store_namespace),
+        store_sharding=store.sharding,
+    )
     traffic = None if args.prompt_tokens is None else prompt_traffic(result, layout, args.prompt_tokens)
     if args.format == "json":
         payload = plan_to_json(result)
@@ -108,6 +145,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2))
         return 0
     print(format_plan_table(result))
+    if store.sharding is None and store.store_namespace:
+        print(f"store layout: {store.reason}")
     if traffic is not None:
         print(format_traffic(traffic))
     if args.explain:
@@ -261,6 +300,18 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--pp", type=int, default=1)
         command.add_argument("--pcp", type=int, default=1)
         command.add_argument("--dcp", type=int, default=1)
+        store_tp = command.add_mutually_exclusive_group()
+        store_tp.add_argument(
+            "--store-tp", type=_positive, metavar="N", help="kv_connector_extra_config store_tp_size: share store shards across TP sizes"
+        )
+        store_tp.add_argument(
+            "--store-tp-lcm", type=_tp_sizes, metavar="TP,TP,...",
+            help="enable_store_tp_lcm with these prefill_tp_sizes (the store TP size is their lcm)",
+        )
+        command.add_argument(
+            "--kv-cache-layout", choices=KV_CACHE_LAYOUTS, default="LBNHC",
+            help="the KV cache layout the attention backend resolves (vLLM's CPU backend: LBHNC; default %(default)s)",
+        )
         command.add_argument("--format", choices=("text", "json"), default="text")
         command.add_argument(
             "--prompt-tokens",

@@ -10,6 +10,7 @@ the YAML policies; the offline audit, the benchmarks and the tests read it from 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable, Collection, Mapping
@@ -303,6 +304,11 @@ def _scaled_spec(spec: Any, *, head_size: int, num_kv_heads: int) -> KVCacheSpec
     return cls(**kwargs)
 
 
+def _per_rank_spec(spec: Any, head_size: int, total_num_kv_heads: int, tp_size: int) -> KVCacheSpec:
+    """:func:`_scaled_spec` with the KV heads one of ``tp_size`` ranks holds (vLLM's QKVParallelLinear)."""
+    return _scaled_spec(spec, head_size=head_size, num_kv_heads=max(1, total_num_kv_heads // tp_size))
+
+
 def _layer_order(name: str) -> tuple[Any, ...]:
     # Model order: "model.layers.10" after "model.layers.9".
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
@@ -314,13 +320,14 @@ def archetype_from_layout(
     name: str | None = None,
     layers_per_group: int | None = None,
     head_size: int = 32,
-    num_kv_heads: int = 1,
+    num_kv_heads: int | None = 1,
 ) -> Archetype:
     """A kvpolicy ``Layout`` as an archetype, scaled down.
 
     Each layer gets the layout's spec class, looked up by name in ``vllm.v1.kv_cache_interface``,
     built from the layout's fields: block size :data:`BLOCK_SIZE`, attention ``num_kv_heads`` and
-    ``head_size`` (and a non-zero ``head_size_v``) as given here, Mamba state dimensions cut to 4, no
+    ``head_size`` (and a non-zero ``head_size_v``) as given here (``num_kv_heads=None``: the model's
+    own per-rank count, ``max(1, total_num_kv_heads // tp_size)``), Mamba state dimensions cut to 4, no
     page padding (vLLM's grouping pads pages to one size, as for the real model). Layers go in model
     order, so vLLM's ``get_kv_cache_groups`` regroups them itself; ``layers_per_group`` keeps only
     the first layers of each group (of each entry of a uniform group). The ground truth stays the
@@ -335,8 +342,11 @@ def archetype_from_layout(
         group_name = group.name or f"group-{index}"
         for member_index, member in enumerate(group.members):
             kind = group_name if len(group.members) == 1 else f"{group_name}#{member_index}"
-            built = _scaled_spec(member.spec, head_size=head_size, num_kv_heads=num_kv_heads)
-            kinds[kind] = lambda tp_size, built=built: built
+            if num_kv_heads is None:
+                kinds[kind] = functools.partial(_per_rank_spec, member.spec, head_size, layout.total_num_kv_heads)
+            else:
+                built = _scaled_spec(member.spec, head_size=head_size, num_kv_heads=num_kv_heads)
+                kinds[kind] = lambda tp_size, built=built: built
             kept = member.layers if layers_per_group is None else member.layers[:layers_per_group]
             layers.extend((layer, kind) for layer in kept)
     return Archetype(

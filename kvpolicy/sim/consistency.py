@@ -18,7 +18,10 @@ the master's counters and from each rank's record of its puts.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 from kvpolicy.keys import split_chunk_key
 from kvpolicy.models import Audit, AuditMode, Policy
@@ -30,7 +33,7 @@ from kvpolicy.sim.archetypes import BLOCK_SIZE, Archetype, get_archetype
 from kvpolicy.sim.fleet import Fleet
 from kvpolicy.sim.instance import Instance, LoadVerdict
 from kvpolicy.vllm.audit import AUDIT_STATS_OPERATION
-from kvpolicy.vllm.store import chunk_object_size
+from kvpolicy.vllm.store import chunk_bytes_per_rank
 
 __all__ = ["ConsistencyReport", "GroupOutcome", "run_consistency"]
 
@@ -145,6 +148,8 @@ def run_consistency(
     save: bool = True,
     audit: bool | None = None,
     dcp_size: int = 1,
+    extra_config: Mapping[str, object] = MappingProxyType({}),
+    kv_cache_layout: str | None = None,
 ) -> ConsistencyReport:
     """Save a ``num_tokens`` prompt from a cold ``tp_size``-rank instance of ``archetype`` under
     ``policy``, load it into a new warm instance, and compare every rank's bytes.
@@ -153,7 +158,9 @@ def run_consistency(
     run opens ``2 * tp_size`` fresh clients and closes them at the end (1–2 s each). ``save=False``
     skips the cold save, so the warm lookup meets a store without this prompt. ``audit``: see
     :func:`audited_policy`; ``enforce`` raises :class:`kvpolicy.audit.ReplicationAuditError` from the
-    cold save, as it stops an engine. ``dcp_size`` > 1 runs decode-context parallelism.
+    cold save, as it stops an engine. ``dcp_size`` > 1 runs decode-context parallelism;
+    ``extra_config`` (e.g. ``store_tp_size``) and ``kv_cache_layout`` configure both instances
+    (:meth:`kvpolicy.sim.Fleet.instance`).
     """
     shape = get_archetype(archetype)
     if tp_size < 1:
@@ -164,7 +171,10 @@ def run_consistency(
     pool = ClientPool(master) if clients is None else clients
     try:
         with Fleet(shape, master=master, clients=pool, num_tokens=num_tokens, seed=seed, name="kvpolicy-consistency") as fleet:
-            cold = fleet.instance(effective, tp_size, name="cold", dcp_size=dcp_size)
+            options: dict[str, Any] = {
+                "dcp_size": dcp_size, "extra_config": extra_config, "kv_cache_layout": kv_cache_layout
+            }
+            cold = fleet.instance(effective, tp_size, name="cold", **options)
             before, allocated_before = _counters(master)
             marker_bytes = 0
             put_failures = 0
@@ -173,7 +183,7 @@ def run_consistency(
                 marker_bytes = sum(put.size for put in saved.marker_puts if put.ok)
                 put_failures = saved.put_failures
             after, allocated_after = _counters(master)
-            warm = fleet.instance(effective, tp_size, name="warm", dcp_size=dcp_size)
+            warm = fleet.instance(effective, tp_size, name="warm", **options)
             lookup = warm.lookup()
             warm.load(lookup)
             verdict = warm.verdict(lookup)
@@ -249,7 +259,7 @@ def _group_outcomes(cold: Instance, verdict: LoadVerdict) -> tuple[GroupOutcome,
                 mismatched_ranks=mismatched,
                 objects_written=len(writes[index]),
                 bytes_written=sum(writes[index].values()),
-                unique_bytes=(cold.tp_size // true_factor) * len(chunks) * chunk_object_size(cold.ranks[0].worker.token_dbs[index]),
+                unique_bytes=(cold.tp_size // true_factor) * len(chunks) * chunk_bytes_per_rank(cold.ranks[0].worker.token_dbs[index]),
                 blocks_checked=verdict.checked_by_group[index],
                 audit=status.value,
                 audit_message=messages.get(index, ""),

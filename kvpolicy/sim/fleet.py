@@ -188,18 +188,22 @@ def run_mixed(
     clients: ClientPool | None = None,
     num_tokens: int = 256,
     seed: int = 0,
+    extra_config: Mapping[str, object] = MappingProxyType({}),
+    kv_cache_layout: str | None = None,
 ) -> MixedReport:
     """Save ``archetype``'s prompt from a ``saver_tp``-rank instance under ``saver_policy``, then look
     it up and load it in a new ``loader_tp``-rank instance under ``loader_policy``, on one store.
+    ``extra_config`` (e.g. ``store_tp_size``) and ``kv_cache_layout`` apply to both instances.
 
     Without ``clients`` the run opens ``saver_tp + loader_tp`` clients and closes them (~2 s each).
     """
     pool = ClientPool(master) if clients is None else clients
     try:
         with Fleet(archetype, master=master, clients=pool, num_tokens=num_tokens, seed=seed) as fleet:
-            saver = fleet.instance(saver_policy, saver_tp, name="saver")
+            options: dict[str, Any] = {"extra_config": extra_config, "kv_cache_layout": kv_cache_layout}
+            saver = fleet.instance(saver_policy, saver_tp, name="saver", **options)
             saved = saver.save()
-            loader = fleet.instance(loader_policy, loader_tp, name="loader")
+            loader = fleet.instance(loader_policy, loader_tp, name="loader", **options)
             lookup = loader.lookup()
             loader.load(lookup)
             return MixedReport(

@@ -285,9 +285,11 @@ def lookup_key_prefixes(plan: Plan) -> tuple[tuple[str, ...], ...]:
     return tuple(group.lookup_namespaces for group in plan.groups)
 
 
-def chunk_object_size(database: ChunkedTokenDatabase) -> int:
-    """Bytes of one stored chunk object of a group on one rank: one block of every region, or under
-    a TP-sharded store layout one store shard's part of it."""
+def chunk_bytes_per_rank(database: ChunkedTokenDatabase) -> int:
+    """Bytes of one chunk of a group that one rank holds and writes: one block of every region, as
+    one object, or under a TP-sharded store layout as one object per store shard of the rank."""
     layout = database.store_layout
-    _, sizes, _ = layout.prepare_values([(0, database.block_size)], [1], [layout.local_shard_ids[0]])
-    return sum(sizes[0])
+    shards = list(layout.local_shard_ids)
+    chunks = [(0, database.block_size)] * len(shards)
+    _, sizes, _ = layout.prepare_values(chunks, [1], shards)
+    return sum(sum(object_sizes) for object_sizes in sizes)

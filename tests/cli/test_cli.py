@@ -179,3 +179,33 @@ def test_plan_under_dcp_writes_mla_once_per_dcp_rank(capsys: pytest.CaptureFixtu
     (group,) = json.loads(out)["groups"]
     assert code == 0 and (group["factor"], group["shards"]) == (4, 2)
     assert sorted({tuple(rank["replica_set"]) for rank in group["ranks"]}) == [(0, 2, 4, 6), (1, 3, 5, 7)]
+
+
+def test_plan_with_store_tp_shows_each_ranks_store_shards(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--policy", "vllm-compat", "--layout", "llama-3.1-70b", "--tp", "2",
+                       "--store-tp", "8", "--kv-cache-layout", "LBHNC", "--format", "json")
+    payload = json.loads(out)
+    (group,) = payload["groups"]
+    assert code == 0 and payload["store"]["sharding"] == {"store_tp_size": 8, "format": "tp_shared_lbhnc"}
+    assert [rank["store_shards"] for rank in group["ranks"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert len(group["lookup_namespaces"]) == 8
+
+
+def test_plan_with_store_tp_lcm_takes_the_lcm_of_the_prefill_tp_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--policy", "default", "--layout", "llama-3.1-70b", "--tp", "2",
+                       "--store-tp-lcm", "2,4", "--kv-cache-layout", "LBNHC", "--format", "json")
+    assert code == 0 and json.loads(out)["store"]["sharding"] == {"store_tp_size": 4, "format": "tp_shared_lbnhc"}
+
+
+def test_plan_says_why_vllm_would_not_shard_the_store(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--policy", "default", "--layout", "deepseek-v3", "--tp", "4", "--store-tp", "8")
+    assert code == 0
+    assert "store namespace: @store_pp:1@store_format:rank_local_tp4_layout_LBNHC" in out
+    assert "because its group is MLAAttentionSpec, and vLLM shards only FullAttentionSpec" in out
+
+
+def test_store_tp_and_store_tp_lcm_together_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--policy", "default", "--layout", "llama-3.1-70b", "--tp", "2", "--store-tp", "4",
+              "--store-tp-lcm", "2"])
+    assert exit_info.value.code == 2 and "not allowed with argument --store-tp" in capsys.readouterr().err

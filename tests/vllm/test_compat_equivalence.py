@@ -509,11 +509,6 @@ def test_policy_worker_keys_carry_the_store_namespace_upstream_selects() -> None
     assert namespace and [db.key_for(HASH) for db in ours.token_dbs] == [db.key_for(HASH) for db in theirs.token_dbs]
 
 
-def test_policy_worker_refuses_vllms_tp_sharded_store_layout() -> None:
-    with pytest.raises(ValueError, match="TP-sharded store layout"):
-        policy_worker(COMPAT, Case((full(),), tp=2, heads=4), (0, 0, 0), extra_config={"store_tp_size": 4})
-
-
 # --- default differs from compat only where vLLM 0.32 has no rule ---------------------------------------
 
 
