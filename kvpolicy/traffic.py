@@ -13,7 +13,9 @@ so that counts measured on a real Mooncake master can be checked against the pla
   leaves at least one token to compute: ``(N - 1) // block_size * block_size`` (vLLM's
   ``get_mamba_prefill_checkpoint_position`` without EAGLE);
 * on a warm hit every TP rank of every (pcp, pp) rank reads its own namespace: per group, the hit
-  chunks (one boundary state for a Mamba group) once per rank. Reads are not striped.
+  chunks (one boundary state for a Mamba group) once per rank. Reads are not striped;
+* under vLLM's TP-sharded store layout a chunk is one object per store shard: written once each,
+  and read by every rank for each of its ``store_tp_size // tp_size`` shards.
 
 Assumes an empty store, one request, and the groups' common block size (vLLM gives every group
 of a hybrid model the same one); refuses a layout whose groups differ.
@@ -111,9 +113,10 @@ def prompt_traffic(plan: Plan, layout: Layout, prompt_tokens: int) -> PromptTraf
     for group_plan, group in zip(plan.groups, layout.groups, strict=True):
         stores = _stores(group)
         namespaces = len(group_plan.lookup_namespaces)
+        objects_per_rank = len(group_plan.ranks[0].key_shards)
         if stores is Stores.BOUNDARY_STATE:
-            written, read = (namespaces, readers) if hit_chunks else (0, 0)
+            written, read = (namespaces, readers * objects_per_rank) if hit_chunks else (0, 0)
         else:
-            written, read = full_chunks * namespaces, hit_chunks * readers
+            written, read = full_chunks * namespaces, hit_chunks * readers * objects_per_rank
         groups.append(GroupTraffic(group_plan.index, group_plan.name, stores, written, read))
     return PromptTraffic(prompt_tokens, block_size, hit_chunks * block_size, tuple(groups))

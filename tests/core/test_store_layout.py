@@ -13,6 +13,7 @@ from kvpolicy.loader import load_layout, load_policy, shipped_policy_names
 from kvpolicy.models import Layout, Topology
 from kvpolicy.plan import Plan
 from kvpolicy.store_layout import StoreSharding, resolve_store_tp_size, select_store_layout
+from kvpolicy.traffic import prompt_traffic
 
 LLAMA = load_layout("llama-3.1-70b")  # 8 KV heads, one FullAttentionSpec group
 LBHNC = StoreSharding(8, "tp_shared_lbhnc")
@@ -115,6 +116,11 @@ def test_compat_keys_a_store_shard_by_its_id_in_the_tp_rank_field() -> None:
 def test_sharded_writes_are_not_amplified() -> None:
     (group,) = sharded_plan("default", 4).groups
     assert group.written_bytes_per_token == group.undeduplicated_bytes_per_token
+
+
+def test_a_prompt_writes_each_store_shard_once_and_every_rank_reads_its_shards() -> None:
+    traffic = prompt_traffic(sharded_plan("default", 2), LLAMA, prompt_tokens=100)  # 6 full blocks of 16
+    assert (traffic.objects_written, traffic.objects_read) == (6 * 8, 6 * 2 * 4)
 
 
 # --- the fingerprint ------------------------------------------------------------------------------
