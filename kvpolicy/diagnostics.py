@@ -8,6 +8,9 @@ from typing import Literal
 
 Severity = Literal["error", "warning"]
 
+MAX_MESSAGE_CHARS = 500
+"""A message longer than this (one quoting a huge value) is cut, so output stays bounded."""
+
 
 @dataclass(frozen=True, order=True)
 class Diagnostic:
@@ -20,7 +23,15 @@ class Diagnostic:
     """1-based column."""
     severity: Severity
     message: str
-    """What is wrong and, where there is one, the fix."""
+    """What is wrong and, where there is one, the fix; at most :data:`MAX_MESSAGE_CHARS` characters,
+    on one line."""
+
+    def __post_init__(self) -> None:
+        message = " ".join(self.message.split("\n"))
+        if len(message) > MAX_MESSAGE_CHARS:
+            cut = len(message) - MAX_MESSAGE_CHARS
+            message = f"{message[:MAX_MESSAGE_CHARS]}... ({cut} more characters)"
+        object.__setattr__(self, "message", message)
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line}:{self.column}: {self.severity}: {self.message}"

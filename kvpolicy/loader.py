@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import difflib
+import os
+import stat
 import types
 import typing
 from collections.abc import Iterator, Mapping
@@ -20,7 +22,7 @@ from kvpolicy import catalog
 from kvpolicy.diagnostics import Diagnostic, DocumentError
 from kvpolicy.expressions import Expression, ExpressionError
 from kvpolicy.models import SPEC_VARIABLES, TOPOLOGY_VARIABLES, Layout, Policy
-from kvpolicy.yamlsource import Path, SourceMap, parse
+from kvpolicy.yamlsource import MAX_DOCUMENT_BYTES, Path, SourceMap, parse
 
 Document = Policy | Layout
 """One top-level document, as a file holds it: a replication policy or a model layout."""
@@ -89,17 +91,89 @@ def resolve_layout_path(name_or_path: str) -> FilePath:
 # --- loading -----------------------------------------------------------------------------------
 
 
-def check_file(path: str | FilePath) -> tuple[Document | None, list[Diagnostic]]:
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+class _Unreadable(Exception):
+    """A file that is not read at all, with a diagnostic saying why."""
+
+    def __init__(self, diagnostic: Diagnostic) -> None:
+        super().__init__(diagnostic.message)
+        self.diagnostic = diagnostic
+
+
+def _not_regular(mode: int) -> str:
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+
+
+def _read_bounded(path: str | FilePath) -> str:
+    """The text of a policy or layout file, read within bounds whatever ``path`` is: only a regular
+    file (checked before it is opened, so a FIFO or device never blocks or streams), at most
+    :data:`~kvpolicy.yamlsource.MAX_DOCUMENT_BYTES`, UTF-8. Raises :class:`_Unreadable`."""
+    name = str(path)
+
+    def unreadable(message: str, line: int = 1, column: int = 1) -> _Unreadable:
+        return _Unreadable(Diagnostic(name, line, column, "error", message))
+
     try:
-        text = FilePath(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        return None, [Diagnostic(str(path), 1, 1, "error", f"cannot read file: {reason}")]
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise unreadable(f"cannot read file: it is {_not_regular(mode)}; give a YAML file")
+        # O_NONBLOCK: should the path turn into a FIFO after the check, opening it still returns at once.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+        with os.fdopen(descriptor, "rb") as stream:
+            opened = os.fstat(stream.fileno()).st_mode
+            if not stat.S_ISREG(opened):
+                raise unreadable(f"cannot read file: it is {_not_regular(opened)}; give a YAML file")
+            data = stream.read(MAX_DOCUMENT_BYTES + 1)
+    except OSError as error:
+        raise unreadable(f"cannot read file: {error.strerror or error}") from None
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise unreadable(f"file is larger than {MAX_DOCUMENT_BYTES} bytes; a policy or layout is a few KiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        before = data[: error.start].decode("utf-8", errors="replace")
+        line = before.count("\n") + 1
+        column = len(before) - (before.rfind("\n") + 1) + 1
+        raise unreadable(f"file is not UTF-8 text (byte 0x{data[error.start]:02x}); save it as UTF-8", line, column) from None
+
+
+def check_file(path: str | FilePath) -> tuple[Document | None, list[Diagnostic]]:
+    """:func:`check_text` of a file, read within bounds (:func:`_read_bounded`)."""
+    try:
+        text = _read_bounded(path)
+    except _Unreadable as error:
+        return None, [error.diagnostic]
     return check_text(text, str(path))
 
 
+MAX_DIAGNOSTICS_PER_FILE = 100
+"""Problems reported per file; the rest are counted in one last diagnostic."""
+
+
 def check_text(text: str, path: str = "<string>") -> tuple[Document | None, list[Diagnostic]]:
-    """Parse and validate one document; never raises on bad input."""
+    """Parse and validate one document; never raises on bad input. At most
+    :data:`MAX_DIAGNOSTICS_PER_FILE` problems are listed, then how many more there are."""
+    document, problems = _check_text(text, path)
+    if len(problems) > MAX_DIAGNOSTICS_PER_FILE:
+        hidden = len(problems) - MAX_DIAGNOSTICS_PER_FILE
+        last = problems[MAX_DIAGNOSTICS_PER_FILE - 1]
+        problems = [
+            *problems[:MAX_DIAGNOSTICS_PER_FILE],
+            Diagnostic(path, last.line, last.column, "error" if document is None else "warning",
+                       f"{hidden} more problems in this file not shown; fix these first"),
+        ]
+    return document, problems
+
+
+def _check_text(text: str, path: str) -> tuple[Document | None, list[Diagnostic]]:
     data, source, problems = parse(text, path)
     if data is None and problems:
         return None, problems
@@ -108,6 +182,10 @@ def check_text(text: str, path: str = "<string>") -> tuple[Document | None, list
     model = _model_for(data, source, problems)
     if model is None:
         return None, problems
+    if not (isinstance(data.get("kind"), str) and data["kind"] in KINDS):
+        # Kind missing or wrong, already reported: check the rest as the kind its content says,
+        # so every other problem is reported in this run too.
+        data = {**data, "kind": next(kind for kind, known in KINDS.items() if known is model)}
     try:
         document = model.model_validate(data)
     except ValidationError as error:
@@ -151,6 +229,8 @@ def load_layout(name_or_path: str | FilePath) -> Layout:
 
 
 def _model_for(data: dict[str, Any], source: SourceMap, problems: list[Diagnostic]) -> type[Policy] | type[Layout] | None:
+    """The model ``data`` is checked as: its ``kind``'s, else (with a diagnostic about the kind) the
+    one its content looks like (``rules``: a policy; ``groups``: a layout), else None."""
     kind = data.get("kind")
     if isinstance(kind, str) and kind in KINDS:  # a list or mapping is not even hashable
         return KINDS[kind]
@@ -162,7 +242,7 @@ def _model_for(data: dict[str, Any], source: SourceMap, problems: list[Diagnosti
         close = difflib.get_close_matches(str(kind), KINDS, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else f"; expected one of {', '.join(KINDS)}"
         problems.append(source.diagnostic(("kind",), f"unknown kind '{kind}'{hint}"))
-    return None
+    return guessed
 
 
 # --- turning pydantic errors into located diagnostics -------------------------------------------
@@ -192,6 +272,16 @@ def _is_data_key(part: Any) -> bool:
 _TYPE_TAGS = {"int", "str", "bool", "none", "list", "tuple", "dict", "float", "constrained-str", "is-instance"}
 
 
+_YAML_WORDS = {
+    "tuple_type": "expected a list",
+    "dict_type": "expected a mapping",
+    "int_type": "expected a whole number (not quoted)",
+    "bool_type": "expected true or false (not quoted)",
+    "string_type": "expected a string",
+}
+"""Pydantic's wording for a wrong type, in the words of a YAML file (it quotes Python types)."""
+
+
 def _describe(item: dict[str, Any], location: Path, model: type[BaseModel]) -> tuple[str, bool, int | None]:
     kind = item["type"]
     name = str(location[-1]) if location else "document"
@@ -203,6 +293,8 @@ def _describe(item: dict[str, Any], location: Path, model: type[BaseModel]) -> t
     if kind == "missing":
         return f"missing required field '{name}'", False, None
     message = item["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    # YAML has lists, not tuples: say what to write.
+    message = _YAML_WORDS.get(kind, message)
     offset = None
     cause = item.get("ctx", {}).get("error")
     if isinstance(cause, BaseException) and isinstance(cause.__cause__, ExpressionError):

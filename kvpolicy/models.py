@@ -184,6 +184,17 @@ def _as_tuple(value: Any) -> Any:
     return (value,) if isinstance(value, str) else value
 
 
+def _not_a_boolean(value: Any) -> Any:
+    # YAML's `true` is Python's True, which equals 1; the JSON Schema's `const: 1` rejects it, so must this.
+    if isinstance(value, bool):
+        raise ValueError(f"must be the integer 1, not {str(value).lower()}")
+    return value
+
+
+DocumentVersion = Annotated[Literal[1], BeforeValidator(_not_a_boolean)]
+"""The document format version: exactly the integer 1."""
+
+
 class StrictModel(BaseModel):
     """The base of every model in this module: frozen, rejects unknown fields, and turns attribute
     docstrings into JSON Schema descriptions."""
@@ -242,7 +253,7 @@ class Match(StrictModel):
 class Rule(StrictModel):
     """One replication rule. Rules are tried in order per layer spec; the first that matches wins."""
 
-    name: str = Field(pattern=_NAME_PATTERN)
+    name: str = Field(pattern=_NAME_PATTERN, max_length=128)
     """Unique kebab-case name, shown in plans and errors."""
     reason: str = Field(min_length=1)
     """One line on why this rule is right."""
@@ -272,7 +283,7 @@ class Rule(StrictModel):
 class KeyFormat(StrictModel):
     """How store keys are spelled."""
 
-    template: str = UPSTREAM_KEY_TEMPLATE
+    template: str = Field(default=UPSTREAM_KEY_TEMPLATE, max_length=1000)
     """Key prefix template; fields: {cache_prefix} (rendered with a trailing '@' when set), {model},
     {store_namespace}, {fingerprint}, {shard}, {pcp_rank}, {dcp_rank}, {pp_rank}, {group}."""
 
@@ -316,18 +327,18 @@ class Audit(StrictModel):
 
     mode: AuditMode = AuditMode.WARN
     """What a digest mismatch does: ``warn`` (fall back to factor 1), ``enforce`` (stop) or ``off``."""
-    steps: int = Field(default=4, ge=0, le=10_000)
+    steps: int = Field(default=4, ge=0, le=10_000, strict=True)
     """Number of save steps audited after start-up."""
 
 
 class Policy(StrictModel):
     """A replication policy: ordered rules that turn cache specs and a topology into factors."""
 
-    version: Literal[1]
+    version: DocumentVersion
     """Document format version."""
     kind: Literal["ReplicationPolicy"]
     """Document kind; tells policies and layouts apart."""
-    name: str = Field(pattern=_NAME_PATTERN)
+    name: str = Field(pattern=_NAME_PATTERN, max_length=128)
     """Policy name, shown in plans."""
     description: str = ""
     """What the policy is for."""
@@ -335,7 +346,7 @@ class Policy(StrictModel):
     """Ordered rules; the first match per layer spec wins."""
     unmatched: Replication = Replication.SHARDED
     """Replication of specs no rule matches; ``sharded`` is always safe."""
-    strict: bool = False
+    strict: bool = Field(default=False, strict=True)
     """Make a spec that no rule matches an error instead of applying ``unmatched``."""
     combine: Literal["gcd"] = "gcd"
     """How the factors of a uniform group's layers combine: ``gcd`` is the largest replica set over
@@ -391,7 +402,10 @@ def _layer_patterns(raw_layout: Any) -> Iterator[str]:
         members = [group, *(group.get("uniform") if isinstance(group.get("uniform"), list) else ())]
         for member in members:
             layers = member.get("layers") if isinstance(member, dict) else None
-            yield from (layers,) if isinstance(layers, str) else (p for p in layers or () if isinstance(p, str))
+            if isinstance(layers, str):
+                yield layers
+            elif isinstance(layers, list):
+                yield from (pattern for pattern in layers if isinstance(pattern, str))
 
 
 def expand_layer_pattern(pattern: str) -> tuple[str, ...]:
@@ -416,12 +430,24 @@ class Spec(StrictModel):
     """Spec class name, e.g. ``MLAAttentionSpec``."""
     bases: tuple[str, ...] = ()
     """Base class names from the class's MRO, most specific first, without ``object``."""
-    block_size: int = Field(ge=1)
+    block_size: int = Field(ge=1, strict=True)
     """Tokens per block."""
     page_size_bytes: ExpressionText
     """Bytes one block occupies on one TP rank: an integer or an expression over the topology."""
     fields: FrozenMapping[str, FieldValue] = Field(default_factory=FrozenMapping)
-    """Other dataclass fields of the spec."""
+    """Other dataclass fields of the spec; none may be named like a topology variable, ``block_size``
+    or ``page_size_bytes``, which expressions read from elsewhere."""
+
+    @field_validator("fields")
+    @classmethod
+    def _no_shadowing(cls, fields: FrozenMapping[str, FieldValue]) -> FrozenMapping[str, FieldValue]:
+        reserved = [name for name in fields if name in (*TOPOLOGY_VARIABLES, "block_size", "page_size_bytes")]
+        if reserved:
+            raise ValueError(
+                f"spec field '{reserved[0]}' would shadow the variable expressions read as '{reserved[0]}'; "
+                "remove it (block_size and page_size_bytes belong beside 'fields', topology variables come from the topology)"
+            )
+        return fields
 
     @property
     def classes(self) -> tuple[str, ...]:
@@ -488,17 +514,17 @@ class Group(StrictModel):
 class Layout(StrictModel):
     """A model's prefix-cacheable KV-cache groups, as vLLM builds them."""
 
-    version: Literal[1]
+    version: DocumentVersion
     """Document format version."""
     kind: Literal["ModelLayout"]
     """Document kind; tells layouts and policies apart."""
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=1000)
     """Model name or path; keys use its last path component."""
     description: str = ""
     """What is special about this model's cache."""
     source: FrozenMapping[str, Any] = Field(default_factory=FrozenMapping)
     """Config fields this layout was derived from, and their values."""
-    total_num_kv_heads: int = Field(ge=0)
+    total_num_kv_heads: int = Field(ge=0, strict=True)
     """Model-wide number of KV heads (vLLM's ``model_config.get_total_num_kv_heads()``); 0 for an
     attention-free model (``mamba``, ``mamba2``, ``falcon_mamba``), which then has no attention group."""
     groups: tuple[Group, ...] = Field(min_length=1)
@@ -532,13 +558,13 @@ class Layout(StrictModel):
 class Topology(StrictModel):
     """The parallel layout of one vLLM instance."""
 
-    tp_size: int = Field(default=1, ge=1, le=4096)
+    tp_size: int = Field(default=1, ge=1, le=4096, strict=True)
     """Tensor-parallel size."""
-    pp_size: int = Field(default=1, ge=1, le=4096)
+    pp_size: int = Field(default=1, ge=1, le=4096, strict=True)
     """Pipeline-parallel size."""
-    pcp_size: int = Field(default=1, ge=1, le=4096)
+    pcp_size: int = Field(default=1, ge=1, le=4096, strict=True)
     """Prefill context-parallel size."""
-    dcp_size: int = Field(default=1, ge=1, le=4096)
+    dcp_size: int = Field(default=1, ge=1, le=4096, strict=True)
     """Decode context-parallel size: a subdivision of TP, or with PCP the PCP axis or all of TP x PCP."""
 
     @model_validator(mode="after")

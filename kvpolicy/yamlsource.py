@@ -93,6 +93,7 @@ class _Builder:
                         )
                     )
                     continue
+                self.nodes += 1  # a key is a node too: a mapping of many keys with tiny values is bounded the same
                 self.source.keys[(*path, key)] = _position(key_node)
                 result[key] = self.build(value_node, (*path, key))
             return result
@@ -147,6 +148,19 @@ def parse(text: str, path: str) -> tuple[Any, SourceMap, list[Diagnostic]]:
         return None, source, [Diagnostic(path, 1, 1, "error", f"file is larger than {MAX_DOCUMENT_BYTES} bytes")]
     try:
         nodes = list(yaml.compose_all(text, Loader=_LOADER))
+    except yaml.reader.ReaderError as error:
+        # Not a marked error: PyYAML gives the offset of the character in the text, not a line.
+        before = text[: error.position]
+        line = before.count("\n") + 1
+        column = error.position - (before.rfind("\n") + 1) + 1
+        character = error.character if isinstance(error.character, int) else ord(str(error.character)[:1] or "?")
+        return None, source, [
+            Diagnostic(
+                path, line, column, "error",
+                f"YAML syntax: control character U+{character:04X} is not allowed; remove it "
+                "(inside a double-quoted string write it as an escape, e.g. \\x01)",
+            )
+        ]
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         line, column = (mark.line + 1, mark.column + 1) if mark else (1, 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -354,16 +355,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.run(args))
+        code = int(args.run(args))
+        sys.stdout.flush()  # here, where a closed pipe is handled, not at interpreter exit
+        return code
     except DocumentError as error:
         for diagnostic in error.diagnostics:
             print(diagnostic)
         return 1
     except (PlanError, ValueError) as error:
-        print(f"error: {error}")
+        print(f"error: {_one_line(error)}")
+        return 1
+    except BrokenPipeError:
+        # The reader went away (`kvpolicy plan ... | head`): nothing more to say, and no traceback
+        # when Python flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except KeyboardInterrupt:
         return 130
+    except ImportError as error:
+        print(f"error: {args.command} needs {error.name or 'a module'} (pip install 'kvpolicy[vllm]'): {_one_line(error)}")
+        return 1
+    except Exception as error:
+        if os.environ.get("KVPOLICY_TRACEBACK"):
+            raise
+        print(f"error: {type(error).__name__}: {_one_line(error)} (set KVPOLICY_TRACEBACK=1 for the traceback)")
+        return 1
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text if len(text) <= 500 else f"{text[:500]}..."
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ def test_wrong_type():
     """)
     assert at(diagnostic) == (4, 9)
     assert diagnostic.message.startswith("strict:")
-    assert "boolean" in diagnostic.message
+    assert "true or false" in diagnostic.message
 
 
 def test_wrong_type_of_a_nested_value():

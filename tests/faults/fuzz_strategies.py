@@ -36,10 +36,10 @@ import yaml
 from hypothesis import strategies as st
 
 from kvpolicy.app.cli import main as cli_main
-from kvpolicy.diagnostics import Diagnostic
+from kvpolicy.diagnostics import MAX_MESSAGE_CHARS, Diagnostic
 from kvpolicy.expressions import MAX_INT, Expression, ExpressionError
 from kvpolicy.keys import KeyContext, render_prefix
-from kvpolicy.loader import check_file, check_text
+from kvpolicy.loader import MAX_DIAGNOSTICS_PER_FILE, check_file, check_text
 from kvpolicy.models import KEY_TEMPLATE_FIELDS, KeyFormat
 
 REPO = Path(__file__).resolve().parents[2]
@@ -610,6 +610,9 @@ def check_contract(text: str, path: str = "fuzzed.yaml") -> tuple[Any, list[Diag
         document, problems = check_text(text, path)
     bad = [problem for problem in problems if not well_formed(problem, path)]
     assert not bad, f"malformed diagnostics: {bad}"
+    assert len(problems) <= MAX_DIAGNOSTICS_PER_FILE + 1, f"{len(problems)} diagnostics for one file"
+    long = [problem for problem in problems if len(problem.message) > MAX_MESSAGE_CHARS + 40 or "\n" in problem.message]
+    assert not long, f"unbounded or multi-line messages: {[problem.message[:80] for problem in long]}"
     errors = [problem for problem in problems if problem.severity == "error"]
     assert (document is None) == bool(errors), f"document {type(document).__name__} with errors {errors}"
     return document, problems
