@@ -50,13 +50,16 @@ def make_plan(
     key_context: KeyContext | None = None,
     demoted: Iterable[int] = (),
     store_sharding: StoreSharding | None = None,
+    kv_cache_layout: str | None = None,
 ) -> Plan:
     """Plan every group of ``layout``; ``demoted`` groups are forced to factor 1 (audit fallback).
     ``store_sharding``: the deployment runs vLLM's TP-sharded store layout
-    (:func:`kvpolicy.store_layout.select_store_layout`)."""
+    (:func:`kvpolicy.store_layout.select_store_layout`). ``kv_cache_layout``: the ``KVCacheLayout``
+    the engine resolved (``LBHNC`` …), which orders a rank-local object's bytes; None where unknown."""
     _check_vllm_accepts(layout, topology)
     if store_sharding is not None:
         _check_store_sharding(layout, topology, store_sharding)
+        _check_sharded_keys(policy)
     context = key_context or KeyContext.for_model(layout.model)
     demoted = frozenset(demoted)
     variables: dict[str, Value] = {
@@ -75,7 +78,12 @@ def make_plan(
             _check_sharded_group_unreplicated(index, decision, store_sharding, layout.total_num_kv_heads)
     digest = fingerprint(
         stored_bytes_identity(
-            policy, topology, decided, store_sharding=store_sharding, total_num_kv_heads=layout.total_num_kv_heads
+            policy,
+            topology,
+            decided,
+            store_sharding=store_sharding,
+            total_num_kv_heads=layout.total_num_kv_heads,
+            kv_cache_layout=kv_cache_layout,
         )
     )
     skeleton = Plan(
@@ -144,6 +152,7 @@ def stored_bytes_identity(
     *,
     store_sharding: StoreSharding | None = None,
     total_num_kv_heads: int = 0,
+    kv_cache_layout: str | None = None,
 ) -> dict[str, object]:
     """What the plan fingerprint hashes: everything that decides which bytes a stored object holds
     and where it is addressed, and nothing else.
@@ -154,7 +163,13 @@ def stored_bytes_identity(
       that many runs), its replica sets (``tp_size // factor``; with the pp, pcp and dcp sizes they
       fix which tokens a set holds), and each member spec's signature (class, block size, per-rank
       page size, fields, layer count);
-    * the pp, pcp and dcp sizes (which layers and which tokens a rank holds).
+    * the pp, pcp and dcp sizes (which layers and which tokens a rank holds);
+    * the KV cache layout where known (``LBHNC``, ``LBNHC`` …): a rank-local object is a block's
+      bytes in memory order, so the same heads in another layout are other bytes.
+
+    Under pipeline parallelism the layer counts are left out: each stage plans its own layers, and
+    an uneven split (80 layers over 3 stages) would give the stages different fingerprints, while
+    rank 0 looks up every stage's namespaces under its own.
 
     Under vLLM's TP-sharded store layout an object is one store shard, the same whatever TP size
     wrote it, so a group is identified instead by the store TP size and format, the heads per store
@@ -169,6 +184,9 @@ def stored_bytes_identity(
         "template": policy.key.template,
         "topology": {"pp": topology.pp_size, "pcp": topology.pcp_size, "dcp": topology.dcp_size},
     }
+    if kv_cache_layout is not None:
+        identity["kv_cache_layout"] = kv_cache_layout
+    decided = [_stage_independent(decision, topology) for decision in decided]
     if store_sharding is None:
         identity["groups"] = [
             {
@@ -189,6 +207,26 @@ def stored_bytes_identity(
         for decision in decided
     ]
     return identity
+
+
+def _stage_independent(decision: GroupDecision, topology: Topology) -> GroupDecision:
+    """``decision`` without its layer counts under pipeline parallelism (see :func:`stored_bytes_identity`)."""
+    if topology.pp_size == 1:
+        return decision
+    signature = tuple({name: value for name, value in spec.items() if name != "layers"} for spec in decision.signature)
+    return dataclasses.replace(decision, signature=signature)
+
+
+def _check_sharded_keys(policy: Policy) -> None:
+    """Store-shard keys carry a shard id where rank-local keys carry a rank: without the store
+    namespace or the fingerprint in the template they would collide with rank-local objects."""
+    template = policy.key.template
+    if "{store_namespace}" not in template and "{fingerprint}" not in template:
+        raise PlanError(
+            f"key template '{template}' has neither {{store_namespace}} nor {{fingerprint}}: under vLLM's TP-sharded "
+            "store layout its keys would name store shards exactly as rank-local keys name ranks, and load each "
+            "other's objects; add {store_namespace} (vLLM's) or {fingerprint}"
+        )
 
 
 def _per_store_shard(signature: Mapping[str, object], shards_per_rank: int) -> dict[str, object]:

@@ -135,6 +135,7 @@ def _plan(args: argparse.Namespace) -> int:
         topology,
         key_context=KeyContext.for_model(layout.model, "", store.store_namespace),
         store_sharding=store.sharding,
+        kv_cache_layout=args.kv_cache_layout,
     )
     traffic = None if args.prompt_tokens is None else prompt_traffic(result, layout, args.prompt_tokens)
     if args.format == "json":

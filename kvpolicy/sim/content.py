@@ -6,10 +6,12 @@ shards and rank ``r`` holds shard ``s = r // T``.
 
 * An attention layer's block is its KV heads (dimension 1 of vLLM's logical ``(blocks, heads,
   tokens, content)`` tensor): shard ``s`` holds heads ``s * h .. s * h + h - 1`` of the model, ``h``
-  being the rank's head count, and head ``g`` holds ``(seed, layer, tensor part, g, [dcp size, dcp
-  rank,] chunk hash, size)``. A head is the same whichever TP size holds it: an MLA latent (one
-  head) at any TP size, a 2-KV-head GQA layer at TP 2 and TP 4, and head 3 of an 8-head model on
-  rank 1 at TP 2 and on rank 3 at TP 8, which is what vLLM's TP-sharded store layout relies on.
+  being the rank's head count, and head ``g`` holds ``(seed, layer, tensor part, g, N * h, [dcp
+  size, dcp rank,] chunk hash, size)``. A head is the same whichever TP size holds it: an MLA latent
+  (one head) at any TP size, a 2-KV-head GQA layer at TP 2 and TP 4, and head 3 of an 8-head model
+  on rank 1 at TP 2 and on rank 3 at TP 8, which is what vLLM's TP-sharded store layout relies on.
+  The head count ``N * h`` keeps a scaled-down model (one head per rank at every TP size) from
+  passing its heads off across TP sizes.
 * Any other layer (Mamba / linear-attention state) holds ``(seed, layer, tensor part, N, s, ...)``
   as a whole: state splits into ``N = tp`` shards, so shard ``s`` at TP 2 is not shard ``s`` at TP 4
   and a cross-TP load of it is wrong.
@@ -58,6 +60,7 @@ def content_id(
     true_factor: int,
     dcp_size: int = 1,
     head: int | None = None,
+    total_heads: int = 0,
 ) -> str:
     """What rank ``tp_rank`` of a ``tp_size`` instance holds in tensor ``part`` of ``layer`` — in its
     local KV head ``head`` for an attention layer, else as a whole: the model's head (or the shard
@@ -67,7 +70,9 @@ def content_id(
     if head is None:
         what = f"{layer}#{part}/of{tp_size // true_factor}/{shard}"
     else:
-        what = f"{layer}#{part}/head{head}"
+        # With the model's head count: a scaled-down simulation (one head per rank whatever the TP
+        # size) has other heads at every TP size, so its heads never pass for each other.
+        what = f"{layer}#{part}/head{head}/of{total_heads}"
     return what if dcp_size == 1 else f"{what}/dcp{dcp_size}/{tp_rank % dcp_size}"
 
 
@@ -96,5 +101,6 @@ def rank_truth(
     ``local_head`` of ``local_heads`` for an attention layer, else as a whole."""
     true_factor = layer_true_factors[layer]
     head = None if local_head is None else (tp_rank // true_factor) * local_heads + local_head
-    content = content_id(layer, part, tp_rank, tp_size, true_factor, dcp_size, head)
+    total_heads = (tp_size // true_factor) * local_heads
+    content = content_id(layer, part, tp_rank, tp_size, true_factor, dcp_size, head, total_heads)
     return truth(seed, content, chunk_hash, size)

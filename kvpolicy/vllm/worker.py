@@ -214,9 +214,13 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         policy = self._policy
 
         sharding = self._store_sharding
+        kv_cache_layout = self.cache_config.get_resolved_kv_cache_layout().name
 
         def replan(demoted: frozenset[int]) -> Plan:
-            return make_plan(policy, layout, topology, key_context=context, demoted=demoted, store_sharding=sharding)
+            return make_plan(
+                policy, layout, topology, key_context=context, demoted=demoted, store_sharding=sharding,
+                kv_cache_layout=kv_cache_layout,
+            )
 
         declared = replan(frozenset())
         if len(declared.groups) != len(self._kv_cache_groups):

@@ -197,3 +197,60 @@ def test_a_sharded_store_the_bytes_cannot_form_is_refused(
 def test_an_unknown_store_format_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown TP-sharded store format 'tp_shared_blhnc'"):
         StoreSharding(8, "tp_shared_blhnc")
+
+
+# --- review findings: what the fingerprint alone must separate ------------------------------------
+
+FINGERPRINT_ONLY = policy(
+    """\
+    version: 1
+    kind: ReplicationPolicy
+    name: fingerprint-only
+    key:
+      template: "{cache_prefix}{model}@plan:{fingerprint}@tp_rank:{shard}@pcp{pcp_rank}@dcp{dcp_rank}@pp_rank:{pp_rank}@group:{group}"
+    rules:
+      - name: kv-heads
+        reason: GQA heads
+        match: {spec: AttentionSpec}
+        factor: max(1, tp_size // total_num_kv_heads)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [StoreSharding(4, "tp_shared_lbhnc"), StoreSharding(8, "tp_shared_lbnhc"), None],
+    ids=["other-store-tp", "other-format", "rank-local"],
+)
+def test_the_fingerprint_alone_separates_store_layouts(other: StoreSharding | None) -> None:
+    """Without {store_namespace} in the template only the fingerprint keeps these apart."""
+    plan = make_plan(FINGERPRINT_ONLY, LLAMA, Topology(tp_size=2), store_sharding=LBHNC)
+    different = make_plan(FINGERPRINT_ONLY, LLAMA, Topology(tp_size=2), store_sharding=other)
+    assert plan.fingerprint != different.fingerprint
+
+
+def test_a_sharded_store_needs_the_store_namespace_or_the_fingerprint_in_keys() -> None:
+    with pytest.raises(PlanError, match=r"has neither \{store_namespace\} nor \{fingerprint\}"):
+        make_plan(load_policy("vllm-compat").model_copy(update={"key": FINGERPRINT_ONLY.key.model_copy(
+            update={"template": "{cache_prefix}{model}@tp_rank:{shard}@pcp{pcp_rank}@dcp{dcp_rank}@pp_rank:{pp_rank}@group:{group}"}
+        )}), LLAMA, Topology(tp_size=2), store_sharding=LBHNC)
+
+
+def test_rank_local_objects_in_another_kv_cache_layout_never_share_keys() -> None:
+    plans = [
+        make_plan(load_policy("default"), LLAMA, Topology(tp_size=2), kv_cache_layout=name) for name in ("LBHNC", "LBNHC")
+    ]
+    assert plans[0].fingerprint != plans[1].fingerprint
+
+
+def test_pipeline_stages_with_different_layer_counts_share_one_fingerprint() -> None:
+    """An uneven split (80 layers over 3 stages: 27, 27, 26) must not give stages different
+    fingerprints: rank 0 looks every stage up under its own."""
+    stages = [
+        layout(full(num_kv_heads=1), heads=8).model_copy(
+            update={"groups": (layout(full(num_kv_heads=1), heads=8).groups[0].model_copy(update={"layers": tuple(f"l{i}" for i in range(count))}),)}
+        )
+        for count in (27, 26)
+    ]
+    fingerprints = {make_plan(load_policy("default"), stage, Topology(tp_size=2, pp_size=3)).fingerprint for stage in stages}
+    assert len(fingerprints) == 1

@@ -124,3 +124,15 @@ def test_without_store_tp_stock_keys_collide_across_tp_sizes_and_every_block_fai
     assert verdict.hit_tokens == FULL_HIT and verdict.used_tokens == 0
     assert all(len(blocks) == FULL_HIT // BLOCK_SIZE for _, blocks in verdict.invalid_block_ids)
     assert verdict.correct
+
+
+def test_rank_local_objects_of_another_kv_cache_layout_are_not_loaded(
+    mooncake_master: MooncakeMaster, clients: ClientPool
+) -> None:
+    """A rank-local object is a block's bytes in memory order: the same heads in LBHNC and LBNHC are
+    other bytes, so the fingerprint tells the layouts apart (the same TP size, no store_tp)."""
+    with Fleet("gqa-8kv", master=mooncake_master, clients=clients, num_tokens=NUM_TOKENS) as fleet:
+        saver = fleet.instance(load_policy("default"), 2, kv_cache_layout="LBHNC")
+        saver.save()
+        loader = fleet.instance(load_policy("default"), 2, kv_cache_layout="LBNHC")
+        assert loader.fingerprint != saver.fingerprint and loader.lookup().hit_length == 0
