@@ -12,6 +12,51 @@ MAX_MESSAGE_CHARS = 500
 """A message longer than this (one quoting a huge value) is cut, so output stays bounded."""
 
 
+@dataclass(frozen=True)
+class Check:
+    """One kind of problem ``kvpolicy validate`` reports, under a stable code."""
+
+    code: str
+    """``KVP`` and three digits; the first digit is the family (0 file, 1 format, 2 lint, 3 plan, 9 output)."""
+    name: str
+    """Kebab-case name, the SARIF rule's ``name``."""
+    severity: Severity
+    """An error makes the document unusable; a warning is advice (``--warnings-as-errors`` promotes it)."""
+    summary: str
+    """What the check finds, in one sentence."""
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("KVP001", "unreadable-file", "error",
+          "The path is not a regular file that can be read, within the size limit, as UTF-8 text."),
+    Check("KVP002", "yaml-syntax", "error",
+          "The text is not exactly one well-formed YAML document (control characters, bad indentation, '---')."),
+    Check("KVP003", "too-large", "error",
+          "The document exceeds a bound: nodes, layer names, an expression's size or a value's magnitude."),
+    Check("KVP004", "duplicate-key", "error", "A mapping repeats a key (YAML loaders silently keep one)."),
+    Check("KVP101", "document-kind", "error",
+          "The top level is not a mapping, or 'kind' is missing, unknown or not what the command expects."),
+    Check("KVP102", "unknown-field", "error", "A field the format does not have, typos included."),
+    Check("KVP103", "missing-field", "error", "A required field is absent."),
+    Check("KVP104", "invalid-value", "error",
+          "A value of the wrong type, outside its range or pattern, or inconsistent with another field."),
+    Check("KVP105", "invalid-expression", "error",
+          "An expression that does not parse, uses syntax outside the sandbox, or reads an unknown variable."),
+    Check("KVP106", "duplicate-layer", "error", "A layer listed in more than one group."),
+    Check("KVP201", "unknown-spec-class", "warning", "A rule matches a spec class vLLM 0.32 does not define."),
+    Check("KVP202", "unknown-spec-field", "warning", "A rule matches a field no known spec class has."),
+    Check("KVP203", "unreachable-rule", "warning", "An earlier rule matches everything this rule matches."),
+    Check("KVP204", "unexpected-bases", "warning", "A spec's base classes differ from vLLM 0.32's for that class."),
+    Check("KVP301", "plan-refused", "error",
+          "The engine cannot prove a plan consistent for this layout and topology (or vLLM refuses the topology)."),
+    Check("KVP901", "too-many-problems", "error", "More problems than are listed for one file; fix these first."),
+)
+"""Every check, by code: the table the README shows and the SARIF ``rules``."""
+
+CHECKS_BY_CODE: dict[str, Check] = {check.code: check for check in CHECKS}
+CHECKS_BY_NAME: dict[str, Check] = {check.name: check for check in CHECKS}
+
+
 @dataclass(frozen=True, order=True)
 class Diagnostic:
     """One problem at one place in one file."""
@@ -25,8 +70,12 @@ class Diagnostic:
     message: str
     """What is wrong and, where there is one, the fix; at most :data:`MAX_MESSAGE_CHARS` characters,
     on one line."""
+    code: str
+    """The :class:`Check` this is, e.g. ``KVP102``."""
 
     def __post_init__(self) -> None:
+        if self.code not in CHECKS_BY_CODE:
+            raise ValueError(f"unknown diagnostic code {self.code!r}")
         message = " ".join(self.message.split("\n"))
         if len(message) > MAX_MESSAGE_CHARS:
             cut = len(message) - MAX_MESSAGE_CHARS
@@ -34,7 +83,11 @@ class Diagnostic:
         object.__setattr__(self, "message", message)
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.line}:{self.column}: {self.severity}: {self.message}"
+        return f"{self.path}:{self.line}:{self.column}: {self.severity}: {self.message} [{self.code}]"
+
+    @property
+    def check(self) -> Check:
+        return CHECKS_BY_CODE[self.code]
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)

@@ -19,7 +19,7 @@ from typing import Any, Union
 from pydantic import BaseModel, ValidationError
 
 from kvpolicy import catalog
-from kvpolicy.diagnostics import Diagnostic, DocumentError
+from kvpolicy.diagnostics import CHECKS_BY_NAME, Diagnostic, DocumentError
 from kvpolicy.expressions import Expression, ExpressionError
 from kvpolicy.models import SPEC_VARIABLES, TOPOLOGY_VARIABLES, Layout, Policy
 from kvpolicy.yamlsource import MAX_DOCUMENT_BYTES, Path, SourceMap, parse
@@ -76,6 +76,7 @@ def resolve_policy_path(name_or_path: str) -> FilePath:
             Diagnostic(
                 name_or_path, 1, 1, "error",
                 f"no policy file or shipped policy named '{name_or_path}'{hint} (shipped: {', '.join(names)})",
+                "KVP001",
             )
         ]
     )
@@ -119,7 +120,7 @@ def _read_bounded(path: str | FilePath) -> str:
     name = str(path)
 
     def unreadable(message: str, line: int = 1, column: int = 1) -> _Unreadable:
-        return _Unreadable(Diagnostic(name, line, column, "error", message))
+        return _Unreadable(Diagnostic(name, line, column, "error", message, "KVP001"))
 
     try:
         mode = os.stat(path).st_mode
@@ -168,7 +169,7 @@ def check_text(text: str, path: str = "<string>") -> tuple[Document | None, list
         problems = [
             *problems[:MAX_DIAGNOSTICS_PER_FILE],
             Diagnostic(path, last.line, last.column, "error" if document is None else "warning",
-                       f"{hidden} more problems in this file not shown; fix these first"),
+                       f"{hidden} more problems in this file not shown; fix these first", "KVP901"),
         ]
     return document, problems
 
@@ -178,7 +179,7 @@ def _check_text(text: str, path: str) -> tuple[Document | None, list[Diagnostic]
     if data is None and problems:
         return None, problems
     if not isinstance(data, dict):
-        return None, [*problems, source.diagnostic((), "expected a mapping with 'version' and 'kind' at the top level")]
+        return None, [*problems, source.diagnostic((), "expected a mapping with 'version' and 'kind' at the top level", code="KVP101")]
     model = _model_for(data, source, problems)
     if model is None:
         return None, problems
@@ -216,7 +217,9 @@ def load_policy(name_or_path: str | FilePath) -> Policy:
     path = resolve_policy_path(str(name_or_path))
     document = load(path)
     if not isinstance(document, Policy):
-        raise DocumentError([Diagnostic(str(path), 1, 1, "error", "expected a ReplicationPolicy, found a ModelLayout")])
+        raise DocumentError(
+            [Diagnostic(str(path), 1, 1, "error", "expected a ReplicationPolicy, found a ModelLayout", "KVP101")]
+        )
     return document
 
 
@@ -224,7 +227,9 @@ def load_layout(name_or_path: str | FilePath) -> Layout:
     path = resolve_layout_path(str(name_or_path))
     document = load(path)
     if not isinstance(document, Layout):
-        raise DocumentError([Diagnostic(str(path), 1, 1, "error", "expected a ModelLayout, found a ReplicationPolicy")])
+        raise DocumentError(
+            [Diagnostic(str(path), 1, 1, "error", "expected a ModelLayout, found a ReplicationPolicy", "KVP101")]
+        )
     return document
 
 
@@ -237,11 +242,11 @@ def _model_for(data: dict[str, Any], source: SourceMap, problems: list[Diagnosti
     guessed = Policy if "rules" in data else Layout if "groups" in data else None
     if kind is None:
         expected = f"kind: {'ReplicationPolicy' if guessed is Policy else 'ModelLayout'}" if guessed else "kind"
-        problems.append(source.diagnostic((), f"missing 'kind'; add '{expected}'"))
+        problems.append(source.diagnostic((), f"missing 'kind'; add '{expected}'", code="KVP101"))
     else:
         close = difflib.get_close_matches(str(kind), KINDS, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else f"; expected one of {', '.join(KINDS)}"
-        problems.append(source.diagnostic(("kind",), f"unknown kind '{kind}'{hint}"))
+        problems.append(source.diagnostic(("kind",), f"unknown kind '{kind}'{hint}", code="KVP101"))
     return guessed
 
 
@@ -257,11 +262,11 @@ def _validation_diagnostics(error: ValidationError, model: type[BaseModel], sour
             len(other) > len(location) and other[: len(location)] == location for other in locations
         ):
             continue  # pydantic counts only the items that validated; the real error is reported inside
-        message, prefer_key, offset = _describe(item, location, model)
+        message, prefer_key, offset, code = _describe(item, location, model)
         if (location, message) in seen:
             continue
         seen.add((location, message))
-        yield source.diagnostic(location, message, prefer_key=prefer_key, offset=offset)
+        yield source.diagnostic(location, message, code=code, prefer_key=prefer_key, offset=offset)
 
 
 def _is_data_key(part: Any) -> bool:
@@ -282,16 +287,17 @@ _YAML_WORDS = {
 """Pydantic's wording for a wrong type, in the words of a YAML file (it quotes Python types)."""
 
 
-def _describe(item: dict[str, Any], location: Path, model: type[BaseModel]) -> tuple[str, bool, int | None]:
+def _describe(item: dict[str, Any], location: Path, model: type[BaseModel]) -> tuple[str, bool, int | None, str]:
+    """(message, locate at the key rather than the value, column offset in the value, check code)."""
     kind = item["type"]
     name = str(location[-1]) if location else "document"
     if kind == "extra_forbidden":
         known = _fields_at(model, location[:-1])
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else (f"; allowed: {', '.join(known)}" if known else "")
-        return f"unknown field '{name}'{hint}", True, None
+        return f"unknown field '{name}'{hint}", True, None, "KVP102"
     if kind == "missing":
-        return f"missing required field '{name}'", False, None
+        return f"missing required field '{name}'", False, None, "KVP103"
     message = item["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
     # YAML has lists, not tuples: say what to write.
     message = _YAML_WORDS.get(kind, message)
@@ -299,11 +305,19 @@ def _describe(item: dict[str, Any], location: Path, model: type[BaseModel]) -> t
     cause = item.get("ctx", {}).get("error")
     if isinstance(cause, BaseException) and isinstance(cause.__cause__, ExpressionError):
         offset = cause.__cause__.column
+    code = "KVP104"
+    if offset is not None or isinstance(cause, ExpressionError) or (
+        isinstance(cause, BaseException) and isinstance(cause.__cause__, ExpressionError)
+    ):
+        code = "KVP105"
+    named = CHECKS_BY_NAME.get(kind)  # a model validator's PydanticCustomError names its check
+    if named is not None:
+        code = named.code
     if kind == "literal_error" and name in ("version", "kind"):
         message = f"{name}: {message}"
     elif location and isinstance(location[-1], str):
         message = f"{name}: {message[0].lower()}{message[1:]}" if message else name
-    return message, False, offset
+    return message, False, offset, code
 
 
 def _fields_at(model: type[BaseModel], location: Path) -> list[str]:
@@ -356,7 +370,7 @@ def _warnings_for_raw(data: dict[str, Any], model: type[BaseModel], source: Sour
             try:
                 expression.check_names(known)
             except ExpressionError as error:
-                yield source.diagnostic(("rules", index, key), f"{key}: {error.message}", offset=error.column)
+                yield source.diagnostic(("rules", index, key), f"{key}: {error.message}", code="KVP105", offset=error.column)
 
 
 # --- checks that need the whole document ---------------------------------------------------------
@@ -384,7 +398,7 @@ def _policy_checks(policy: Policy, source: SourceMap) -> Iterator[Diagnostic]:
             try:
                 expression.check_names(known)
             except ExpressionError as error:
-                yield source.diagnostic(("rules", index, key), f"{key}: {error.message}", offset=error.column)
+                yield source.diagnostic(("rules", index, key), f"{key}: {error.message}", code="KVP105", offset=error.column)
         for class_name in rule.match.spec or ():
             if class_name not in catalog.SPEC_CLASSES:
                 close = difflib.get_close_matches(class_name, catalog.SPEC_CLASSES, n=1)
@@ -392,6 +406,7 @@ def _policy_checks(policy: Policy, source: SourceMap) -> Iterator[Diagnostic]:
                 yield source.diagnostic(
                     ("rules", index, "match", "spec"),
                     f"'{class_name}' is not a spec class of vLLM 0.32{hint}",
+                    code="KVP201",
                     severity="warning",
                 )
         for field_name in rule.match.fields:
@@ -401,6 +416,7 @@ def _policy_checks(policy: Policy, source: SourceMap) -> Iterator[Diagnostic]:
                 yield source.diagnostic(
                     ("rules", index, "match", "fields", field_name),
                     f"'{field_name}' is not a field of any known spec class{hint}",
+                    code="KVP202",
                     severity="warning",
                     prefer_key=True,
                 )
@@ -411,6 +427,7 @@ def _policy_checks(policy: Policy, source: SourceMap) -> Iterator[Diagnostic]:
                 f"rule '{rule.name}' is unreachable: rule '{policy.rules[shadow].name}' "
                 f"(line {source.locate(('rules', shadow)).line}) matches everything it matches; "
                 "move it up or remove it",
+                code="KVP203",
                 severity="warning",
             )
 
@@ -445,12 +462,15 @@ def _layout_checks(layout: Layout, source: SourceMap) -> Iterator[Diagnostic]:
             try:
                 spec.page_size_bytes.check_names(topology)
             except ExpressionError as error:
-                yield source.diagnostic((*base, "spec", "page_size_bytes"), f"page_size_bytes: {error.message}", offset=error.column)
+                yield source.diagnostic(
+                    (*base, "spec", "page_size_bytes"), f"page_size_bytes: {error.message}", code="KVP105", offset=error.column
+                )
             expected = catalog.SPEC_CLASSES.get(spec.type)
             if expected is not None and tuple(spec.bases) != expected:
                 yield source.diagnostic(
                     (*base, "spec", "bases"),
                     f"{spec.type}'s bases in vLLM 0.32 are [{', '.join(expected)}]; rules for a missing base will not match",
+                    code="KVP204",
                     severity="warning",
                 )
             for layer in member.layers:
@@ -458,5 +478,6 @@ def _layout_checks(layout: Layout, source: SourceMap) -> Iterator[Diagnostic]:
                     yield source.diagnostic(
                         (*base, "layers"),
                         f"layer '{layer}' is already in group {first_seen[layer]}; a layer belongs to one group",
+                        code="KVP106",
                     )
                 first_seen.setdefault(layer, group_index)

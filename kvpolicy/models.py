@@ -31,7 +31,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import core_schema
+from pydantic_core import PydanticCustomError, core_schema
 
 from kvpolicy.catalog import is_subclass
 from kvpolicy.expressions import Expression, ExpressionError
@@ -415,10 +415,13 @@ def expand_layer_pattern(pattern: str) -> tuple[str, ...]:
         return (pattern,)
     low, high = int(found.group(1)), int(found.group(2))
     if high < low or high - low > 100_000:
-        raise ValueError(f"layer range {found.group(0)} is empty or too large")
+        raise PydanticCustomError("too-large", "layer range {range} is empty or too large", {"range": found.group(0)})
     total = math.prod(int(b) - int(a) + 1 for a, b in _RANGE.findall(pattern))
     if total > 100_001:
-        raise ValueError(f"layer pattern '{pattern}' expands to {total} names; at most 100001 are allowed")
+        raise PydanticCustomError(
+            "too-large", "layer pattern '{pattern}' expands to {total} names; at most 100001 are allowed",
+            {"pattern": pattern, "total": total},
+        )
     head, tail = pattern[: found.start()], pattern[found.end() :]
     return tuple(name for index in range(low, high + 1) for name in expand_layer_pattern(f"{head}{index}{tail}"))
 
@@ -537,7 +540,10 @@ class Layout(StrictModel):
         # but a few hundred bytes of ranges could still ask for millions of names in total.
         total = sum(_expanded_count(pattern) for pattern in _layer_patterns(data))
         if total > MAX_LAYOUT_LAYERS:
-            raise ValueError(f"the layer names expand to {total} layers; a layout may have at most {MAX_LAYOUT_LAYERS}")
+            raise PydanticCustomError(
+                "too-large", "the layer names expand to {total} layers; a layout may have at most {limit}",
+                {"total": total, "limit": MAX_LAYOUT_LAYERS},
+            )
         return data
 
     @field_validator("groups")

@@ -53,14 +53,21 @@ class SourceMap:
         return Position(1, 1)
 
     def diagnostic(
-        self, location: Path, message: str, *, severity: str = "error", prefer_key: bool = False, offset: int | None = None
+        self,
+        location: Path,
+        message: str,
+        *,
+        code: str,
+        severity: str = "error",
+        prefer_key: bool = False,
+        offset: int | None = None,
     ) -> Diagnostic:
-        """A diagnostic at ``location``; ``offset`` is a column inside that scalar's text."""
+        """A diagnostic of check ``code`` at ``location``; ``offset`` is a column inside that scalar's text."""
         position = self.locate(location, prefer_key=prefer_key)
         column = position.column
         if offset is not None and location in self.values:
             column += offset + (1 if position.quoted else 0)
-        return Diagnostic(self.path, position.line, column, severity, message)  # type: ignore[arg-type]
+        return Diagnostic(self.path, position.line, column, severity, message, code)  # type: ignore[arg-type]
 
 
 class _Builder:
@@ -90,6 +97,7 @@ class _Builder:
                             key_node.start_mark.column + 1,
                             "error",
                             f"duplicate key '{key}' (first defined at line {first.line}); remove one",
+                            "KVP004",
                         )
                     )
                     continue
@@ -125,6 +133,7 @@ class _Builder:
                     node.start_mark.column + 1,
                     "error",
                     "mapping keys must be plain names, not collections",
+                    "KVP002",
                 )
             )
             return None
@@ -145,7 +154,7 @@ def parse(text: str, path: str) -> tuple[Any, SourceMap, list[Diagnostic]]:
     """Parse one YAML document; return its value, its source map and any problems found."""
     source = SourceMap(path)
     if len(text.encode("utf-8", errors="replace")) > MAX_DOCUMENT_BYTES:
-        return None, source, [Diagnostic(path, 1, 1, "error", f"file is larger than {MAX_DOCUMENT_BYTES} bytes")]
+        return None, source, [Diagnostic(path, 1, 1, "error", f"file is larger than {MAX_DOCUMENT_BYTES} bytes", "KVP003")]
     try:
         nodes = list(yaml.compose_all(text, Loader=_LOADER))
     except yaml.reader.ReaderError as error:
@@ -159,32 +168,35 @@ def parse(text: str, path: str) -> tuple[Any, SourceMap, list[Diagnostic]]:
                 path, line, column, "error",
                 f"YAML syntax: control character U+{character:04X} is not allowed; remove it "
                 "(inside a double-quoted string write it as an escape, e.g. \\x01)",
+                "KVP002",
             )
         ]
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         line, column = (mark.line + 1, mark.column + 1) if mark else (1, 1)
         problem = error.problem or error.context or "invalid YAML"
-        return None, source, [Diagnostic(path, line, column, "error", f"YAML syntax: {problem}")]
+        return None, source, [Diagnostic(path, line, column, "error", f"YAML syntax: {problem}", "KVP002")]
     except (yaml.YAMLError, RecursionError, ValueError) as error:
-        return None, source, [Diagnostic(path, 1, 1, "error", f"YAML syntax: {error}")]
+        return None, source, [Diagnostic(path, 1, 1, "error", f"YAML syntax: {error}", "KVP002")]
     nodes = [node for node in nodes if node is not None]
     if not nodes:
-        return None, source, [Diagnostic(path, 1, 1, "error", "file is empty; expected a policy or layout document")]
+        return None, source, [Diagnostic(path, 1, 1, "error", "file is empty; expected a policy or layout document", "KVP002")]
     if len(nodes) > 1:
         mark = nodes[1].start_mark
         return None, source, [
-            Diagnostic(path, mark.line + 1, mark.column + 1, "error", "one document per file; remove the '---' separator")
+            Diagnostic(
+                path, mark.line + 1, mark.column + 1, "error", "one document per file; remove the '---' separator", "KVP002"
+            )
         ]
     builder = _Builder(source)
     try:
         value = builder.build(nodes[0], ())
     except _TooLarge:
-        return None, source, [Diagnostic(path, 1, 1, "error", f"document has more than {MAX_NODES} nodes")]
+        return None, source, [Diagnostic(path, 1, 1, "error", f"document has more than {MAX_NODES} nodes", "KVP003")]
     except (yaml.YAMLError, RecursionError, ValueError, TypeError) as error:
         mark = getattr(error, "problem_mark", None)
         line, column = (mark.line + 1, mark.column + 1) if mark else (1, 1)
         # A marked error's str() appends its marks on further lines; the diagnostic has them already.
         detail = getattr(error, "problem", None) or str(error)
-        return None, source, [Diagnostic(path, line, column, "error", f"YAML value: {detail}")]
+        return None, source, [Diagnostic(path, line, column, "error", f"YAML value: {detail}", "KVP002")]
     return value, source, builder.problems

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvpolicy import schema
-from kvpolicy.diagnostics import Diagnostic, DocumentError, PlanError
+from kvpolicy.app.diagnostic_formats import FORMATS, FileResult, Selection, parse_codes, render
+from kvpolicy.diagnostics import DocumentError, PlanError
 from kvpolicy.engine import make_plan
 from kvpolicy.keys import KeyContext
 from kvpolicy.loader import check_file, load_layout, load_policy, schemas_dir, shipped_policy_names
@@ -25,35 +26,19 @@ from kvpolicy.traffic import prompt_traffic
 
 
 def _validate(args: argparse.Namespace) -> int:
-    results: list[tuple[str, str | None, list[Diagnostic]]] = []
+    try:
+        selection = Selection(tuple(args.select), tuple(args.ignore), args.warnings_as_errors)
+    except ValueError as error:
+        print(f"kvpolicy validate: error: {error}", file=sys.stderr)
+        return 2
+    results = []
     for path in args.paths:
         document, problems = check_file(path)
-        kind = None if document is None else document.kind
-        results.append((path, kind, problems))
-    failed = any(any(d.severity == "error" for d in problems) for _, _, problems in results)
-    if args.format == "json":
-        payload = {
-            "valid": not failed,
-            "files": [
-                {
-                    "path": path,
-                    "kind": kind,
-                    "valid": not any(d.severity == "error" for d in problems),
-                    "diagnostics": [d.to_json() for d in problems],
-                }
-                for path, kind, problems in results
-            ],
-        }
-        print(json.dumps(payload, indent=2))
-    else:
-        for path, kind, problems in results:
-            for diagnostic in problems:
-                print(diagnostic)
-            if kind is not None:
-                warnings = sum(d.severity == "warning" for d in problems)
-                note = f" ({warnings} warning{'s' * (warnings != 1)})" if warnings else ""
-                print(f"{path}: ok, {kind}{note}", file=sys.stderr)
-    return 1 if failed else 0
+        results.append(FileResult(path, None if document is None else document.kind, selection.apply(problems)))
+    out, err = render(results, args.format)
+    sys.stdout.write(out)
+    sys.stderr.write(err)
+    return 0 if all(result.valid for result in results) else 1
 
 
 def _schema(args: argparse.Namespace) -> int:
@@ -282,7 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = commands.add_parser("validate", help="check policy and layout files; print every problem")
     validate.add_argument("paths", nargs="+", metavar="PATH")
-    validate.add_argument("--format", choices=("text", "json"), default="text")
+    validate.add_argument("--format", choices=FORMATS, default="text", help="text, json, github (Actions annotations) or sarif")
+    validate.add_argument(
+        "--select", type=parse_codes, default=(), metavar="CODES", help="report only these warnings (codes or prefixes)"
+    )
+    validate.add_argument("--ignore", type=parse_codes, default=(), metavar="CODES", help="do not report these warnings")
+    validate.add_argument(
+        "--warnings-as-errors", action="store_true", help="count the warnings reported as errors (exit 1)"
+    )
     validate.set_defaults(run=_validate)
 
     schema_command = commands.add_parser("schema", help="print the JSON Schemas, or check/write schemas/")

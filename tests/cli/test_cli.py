@@ -51,8 +51,8 @@ def test_validate_reports_every_error_with_its_location_and_exits_1(
     code, out, _ = run(capsys, "validate", str(bad))
     assert code == 1
     lines = out.strip().splitlines()
-    assert f"{bad}:7:5: error: unknown field 'replicaton'; did you mean 'replication'?" in lines
-    assert f"{bad}:10:14: error: factor: unknown variable 'tp_sise'; did you mean 'tp_size'?" in lines
+    assert f"{bad}:7:5: error: unknown field 'replicaton'; did you mean 'replication'? [KVP102]" in lines
+    assert f"{bad}:10:14: error: factor: unknown variable 'tp_sise'; did you mean 'tp_size'? [KVP105]" in lines
 
 
 def test_validate_json_lists_diagnostics_per_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -66,7 +66,7 @@ def test_a_valid_policy_has_no_diagnostics():
 def test_diagnostic_format_is_path_line_column_severity_message():
     diagnostic = only_error(VALID.replace("kind: ReplicationPolicy", "kind: ReplicationPolicyy"))
     assert str(diagnostic) == (
-        f"{PATH}:{diagnostic.line}:{diagnostic.column}: error: {diagnostic.message}"
+        f"{PATH}:{diagnostic.line}:{diagnostic.column}: error: {diagnostic.message} [KVP101]"
     )
     assert str(diagnostic).startswith(f"{PATH}:2:7: error: ")
 
