@@ -50,12 +50,10 @@ def make_plan(
     key_context: KeyContext | None = None,
     demoted: Iterable[int] = (),
     store_sharding: StoreSharding | None = None,
-    kv_cache_layout: str | None = None,
 ) -> Plan:
     """Plan every group of ``layout``; ``demoted`` groups are forced to factor 1 (audit fallback).
     ``store_sharding``: the deployment runs vLLM's TP-sharded store layout
-    (:func:`kvpolicy.store_layout.select_store_layout`). ``kv_cache_layout``: the ``KVCacheLayout``
-    the engine resolved (``LBHNC`` …), which orders a rank-local object's bytes; None where unknown."""
+    (:func:`kvpolicy.store_layout.select_store_layout`)."""
     _check_vllm_accepts(layout, topology)
     if store_sharding is not None:
         _check_store_sharding(layout, topology, store_sharding)
@@ -83,7 +81,7 @@ def make_plan(
             decided,
             store_sharding=store_sharding,
             total_num_kv_heads=layout.total_num_kv_heads,
-            kv_cache_layout=kv_cache_layout,
+            kv_cache_layout=layout.kv_cache_layout,
         )
     )
     skeleton = Plan(

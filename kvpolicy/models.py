@@ -195,6 +195,11 @@ DocumentVersion = Annotated[Literal[1], BeforeValidator(_not_a_boolean)]
 """The document format version: exactly the integer 1."""
 
 
+KV_CACHE_LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+"""vLLM 0.32's ``KVCacheLayout`` names (dimension orders of a layer's KV cache)."""
+KVCacheLayoutName = Literal["LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+
+
 class StrictModel(BaseModel):
     """The base of every model in this module: frozen, rejects unknown fields, and turns attribute
     docstrings into JSON Schema descriptions."""
@@ -530,6 +535,10 @@ class Layout(StrictModel):
     total_num_kv_heads: int = Field(ge=0, strict=True)
     """Model-wide number of KV heads (vLLM's ``model_config.get_total_num_kv_heads()``); 0 for an
     attention-free model (``mamba``, ``mamba2``, ``falcon_mamba``), which then has no attention group."""
+    kv_cache_layout: KVCacheLayoutName | None = None
+    """The ``KVCacheLayout`` the engine resolved for its attention backend (vLLM's CPU backend:
+    ``LBHNC``), set when the layout is captured from an engine. It orders the bytes of a stored block,
+    so the plan fingerprint covers it; unknown (omitted) in a hand-written layout."""
     groups: tuple[Group, ...] = Field(min_length=1)
     """Groups in vLLM's order; a group's index is its position in this list."""
 

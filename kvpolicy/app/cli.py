@@ -19,7 +19,7 @@ from kvpolicy.diagnostics import DocumentError, PlanError
 from kvpolicy.engine import make_plan
 from kvpolicy.keys import KeyContext
 from kvpolicy.loader import check_file, load_layout, load_policy, schemas_dir, shipped_policy_names
-from kvpolicy.models import Policy, Topology
+from kvpolicy.models import KV_CACHE_LAYOUTS, Policy, Topology
 from kvpolicy.report import format_explanation, format_plan_table, format_traffic, plan_to_json, traffic_to_json
 from kvpolicy.store_layout import select_store_layout
 from kvpolicy.traffic import prompt_traffic
@@ -66,10 +66,6 @@ def _non_negative(text: str) -> int:
     return value
 
 
-KV_CACHE_LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
-"""vLLM 0.32's ``KVCacheLayout`` names; only LBHNC and LBNHC have a TP-sharded store layout."""
-
-
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -113,14 +109,19 @@ def _plan(args: argparse.Namespace) -> int:
     policy = load_policy(args.policy)
     layout = load_layout(args.layout)
     topology = _topology(args)
-    store = select_store_layout(layout, topology, _store_options(args), kv_cache_layout=args.kv_cache_layout)
+    options = _store_options(args)
+    # The flag, else what the layout was captured with; vLLM's own default preference where the
+    # store layout depends on it and neither says.
+    kv_cache_layout = args.kv_cache_layout or layout.kv_cache_layout or ("LBNHC" if options else None)
+    if kv_cache_layout != layout.kv_cache_layout:
+        layout = layout.model_copy(update={"kv_cache_layout": kv_cache_layout})
+    store = select_store_layout(layout, topology, options, kv_cache_layout=kv_cache_layout or "LBNHC")
     result = make_plan(
         policy,
         layout,
         topology,
         key_context=KeyContext.for_model(layout.model, "", store.store_namespace),
         store_sharding=store.sharding,
-        kv_cache_layout=args.kv_cache_layout,
     )
     traffic = None if args.prompt_tokens is None else prompt_traffic(result, layout, args.prompt_tokens)
     if args.format == "json":
@@ -303,8 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
             help="enable_store_tp_lcm with these prefill_tp_sizes (the store TP size is their lcm)",
         )
         command.add_argument(
-            "--kv-cache-layout", choices=KV_CACHE_LAYOUTS, default="LBNHC",
-            help="the KV cache layout the attention backend resolves (vLLM's CPU backend: LBHNC; default %(default)s)",
+            "--kv-cache-layout", choices=KV_CACHE_LAYOUTS,
+            help="the KV cache layout the attention backend resolves (vLLM's CPU backend: LBHNC); default: the "
+            "layout's kv_cache_layout, else unknown (LBNHC, vLLM's preference, where --store-tp needs one)",
         )
         command.add_argument("--format", choices=("text", "json"), default="text")
         command.add_argument(

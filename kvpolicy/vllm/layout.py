@@ -76,9 +76,10 @@ def _uniform_entries(spec: UniformTypeKVCacheSpecs) -> tuple[LayerSpecs, ...]:
 
 
 def layout_from_kv_cache_config(
-    kv_cache_config: KVCacheConfig, *, model: str, total_num_kv_heads: int
+    kv_cache_config: KVCacheConfig, *, model: str, total_num_kv_heads: int, kv_cache_layout: str | None = None
 ) -> Layout:
-    """Build the ``Layout`` of a model from vLLM's ``KVCacheConfig``.
+    """Build the ``Layout`` of a model from vLLM's ``KVCacheConfig`` (and the ``KVCacheLayout`` name
+    the engine resolved, when known).
 
     Only the groups vLLM's Mooncake store transfers are kept, in its order, so that a group's index
     in the layout is its ``@group:`` number in store keys: ``kv_cache_config.prefix_cacheable_groups``,
@@ -101,7 +102,10 @@ def layout_from_kv_cache_config(
         for name, group in zip(names, selected, strict=True)
     )
     try:
-        return Layout(version=1, kind="ModelLayout", model=model, total_num_kv_heads=total_num_kv_heads, groups=groups)
+        return Layout(
+            version=1, kind="ModelLayout", model=model, total_num_kv_heads=total_num_kv_heads,
+            kv_cache_layout=kv_cache_layout, groups=groups,
+        )
     except ValidationError as error:
         problems = "; ".join(
             f"{'.'.join(map(str, problem['loc'])) or 'layout'}: {problem['msg']}"

@@ -202,6 +202,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             model=model_basename(self._model),
             # Upstream sets num_kv_head to model_config.get_total_num_kv_heads().
             total_num_kv_heads=self.num_kv_head,
+            kv_cache_layout=self.cache_config.get_resolved_kv_cache_layout().name,
         )
         self._layout = layout
         topology = Topology(
@@ -214,13 +215,9 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         policy = self._policy
 
         sharding = self._store_sharding
-        kv_cache_layout = self.cache_config.get_resolved_kv_cache_layout().name
 
         def replan(demoted: frozenset[int]) -> Plan:
-            return make_plan(
-                policy, layout, topology, key_context=context, demoted=demoted, store_sharding=sharding,
-                kv_cache_layout=kv_cache_layout,
-            )
+            return make_plan(policy, layout, topology, key_context=context, demoted=demoted, store_sharding=sharding)
 
         declared = replan(frozenset())
         if len(declared.groups) != len(self._kv_cache_groups):

@@ -238,7 +238,8 @@ def test_a_sharded_store_needs_the_store_namespace_or_the_fingerprint_in_keys() 
 
 def test_rank_local_objects_in_another_kv_cache_layout_never_share_keys() -> None:
     plans = [
-        make_plan(load_policy("default"), LLAMA, Topology(tp_size=2), kv_cache_layout=name) for name in ("LBHNC", "LBNHC")
+        make_plan(load_policy("default"), LLAMA.model_copy(update={"kv_cache_layout": name}), Topology(tp_size=2))
+        for name in ("LBHNC", "LBNHC")
     ]
     assert plans[0].fingerprint != plans[1].fingerprint
 

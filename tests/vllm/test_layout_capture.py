@@ -256,7 +256,18 @@ def test_worker_writes_the_layout_it_planned(tmp_path: Path) -> None:
     path = tmp_path / "captured.yaml"
     planned_worker("mamba-hybrid", layout_out=path)
     document, problems = check_file(path)
-    assert (document, problems) == (captured("mamba-hybrid"), [])
+    # The engine config resolves LBHNC (vLLM's CPU attention backend), which the capture records.
+    assert (document, problems) == (captured("mamba-hybrid").model_copy(update={"kv_cache_layout": "LBHNC"}), [])
+
+
+def test_plan_of_a_worker_captured_layout_has_the_workers_fingerprint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "captured.yaml"
+    worker = planned_worker("dense-gqa", layout_out=path)
+    assert worker.plan is not None
+    code, out = run(capsys, "plan", "--policy", "vllm-compat", "--layout", str(path), "--tp", "2", "--format", "json")
+    assert (code, json.loads(out)["fingerprint"]) == (0, worker.plan.fingerprint)
 
 
 def test_worker_layout_file_names_its_topology_after_the_schema_line(tmp_path: Path) -> None:
@@ -273,7 +284,7 @@ def test_worker_replaces_an_existing_layout_file_and_leaves_no_temporary_file(tm
     planned_worker("dense-gqa", layout_out=path)
     assert ([entry.name for entry in tmp_path.iterdir()], check_file(path)) == (
         ["captured.yaml"],
-        (captured("dense-gqa"), []),
+        (captured("dense-gqa").model_copy(update={"kv_cache_layout": "LBHNC"}), []),
     )
 
 
