@@ -19,7 +19,8 @@ def _writers(group: GroupPlan) -> str:
     ]
 
 
-def _bytes(value: float) -> str:
+def format_bytes(value: float) -> str:
+    """``value`` bytes in B, KiB, MiB or GiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(value) < 1024 or unit == "GiB":
             return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
@@ -56,8 +57,8 @@ def format_plan_table(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | No
                 str(group.factor),
                 str(group.shards),
                 _writers(group),
-                _bytes(group.written_bytes_per_token),
-                _bytes(group.undeduplicated_bytes_per_token),
+                format_bytes(group.written_bytes_per_token),
+                format_bytes(group.undeduplicated_bytes_per_token),
                 statuses[group.index],
             )
         )
@@ -81,7 +82,7 @@ def format_plan_table(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | No
         if index == 0:
             lines.append("  ".join("-" * width for width in widths))
     ratio = f" ({baseline / written:.2f}x less than no dedup)" if written else ""
-    lines.append(f"total written per token: {_bytes(written)} vs {_bytes(baseline)} without dedup{ratio}")
+    lines.append(f"total written per token: {format_bytes(written)} vs {format_bytes(baseline)} without dedup{ratio}")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvpolicy import schema
 from kvpolicy.app.diagnostic_formats import FORMATS, FileResult, Selection, parse_codes, render
@@ -141,6 +142,86 @@ def _plan(args: argparse.Namespace) -> int:
         print()
         print(format_explanation(result))
     return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from kvpolicy.diff import compare_plans
+    from kvpolicy.loader import layouts_dir
+
+    old, new = load_policy(args.old), load_policy(args.new)
+    names = args.layout or [path.stem for path in sorted(layouts_dir().glob("*.yaml"))]
+    layouts = [(name, load_layout(name)) for name in names]
+    topologies = [_topology(argparse.Namespace(tp=tp, pp=args.pp, pcp=1, dcp=1)) for tp in args.tp]
+    results = []
+    for name, layout in layouts:
+        for topology in topologies:
+            plans = []
+            for policy in (old, new):
+                try:
+                    plans.append(make_plan(policy, layout, topology))
+                except PlanError as error:
+                    plans.append(str(error))
+            results.append(compare_plans(name, f"tp={topology.tp_size} pp={topology.pp_size}", *plans))
+    changed = [result for result in results if result.changed]
+    if args.format == "json":
+        print(json.dumps({"old": old.name, "new": new.name, "changed": bool(changed),
+                          "plans": [_change_json(result) for result in results]}, indent=2))
+    else:
+        print(f"diff: policy {old.name} -> {new.name}, {len(layouts)} layouts x tp {', '.join(map(str, args.tp))}")
+        for result in changed:
+            print(_change_text(result))
+        print(f"{len(results) - len(changed)} of {len(results)} plans unchanged")
+    return 1 if changed else 0
+
+
+def _change_text(result: Any) -> str:
+    from kvpolicy.report import format_bytes
+
+    head = f"{result.layout} {result.topology}:"
+    if isinstance(result.old, str) or isinstance(result.new, str):
+        if isinstance(result.old, str) and isinstance(result.new, str):
+            return f"{head} refused by both, now: {result.new}"
+        which, reason = ("old", result.old) if isinstance(result.old, str) else ("new", result.new)
+        return f"{head} refused by the {which} policy: {reason}"
+    lines = [head]
+    if result.fingerprint_changed:
+        lines[0] += (
+            f" fingerprint {result.old.fingerprint} -> {result.new.fingerprint}"
+            " (instances of the new policy miss everything the old one stored)"
+        )
+    if result.template_changed:
+        lines.append(f"  key template: {result.old.key_template} -> {result.new.key_template}")
+    for group in result.groups:
+        before, after = group.written_bytes_per_token
+        lines.append(
+            f"  group {group.index} {group.name}: {'; '.join(group.changes)}; "
+            f"written/token {format_bytes(before)} -> {format_bytes(after)}"
+        )
+    return "\n".join(lines)
+
+
+def _change_json(result: Any) -> dict[str, Any]:
+    before, after = result.written_bytes_per_token
+    return {
+        "layout": result.layout,
+        "topology": result.topology,
+        "changed": result.changed,
+        "fingerprint": {
+            "old": None if isinstance(result.old, str) else result.old.fingerprint,
+            "new": None if isinstance(result.new, str) else result.new.fingerprint,
+        },
+        "refused": {
+            "old": result.old if isinstance(result.old, str) else None,
+            "new": result.new if isinstance(result.new, str) else None,
+        },
+        "key_template_changed": result.template_changed,
+        "written_bytes_per_token": {"old": before, "new": after},
+        "groups": [
+            {"index": group.index, "name": group.name, "changes": list(group.changes),
+             "written_bytes_per_token": {"old": group.written_bytes_per_token[0], "new": group.written_bytes_per_token[1]}}
+            for group in result.groups
+        ],
+    }
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -317,6 +398,15 @@ def build_parser() -> argparse.ArgumentParser:
         )
         command.add_argument("--explain", action="store_true", default=name == "explain", help=argparse.SUPPRESS)
         command.set_defaults(run=run)
+
+    diff = commands.add_parser("diff", help="what a policy edit changes, per layout and TP size; exit 1 on any change")
+    diff.add_argument("old", metavar="OLD", help="the policy before the edit (a shipped name or a path)")
+    diff.add_argument("new", metavar="NEW", help="the policy after the edit")
+    diff.add_argument("--layout", action="append", help="a layout's name or path (repeatable; default: every example)")
+    diff.add_argument("--tp", type=_positive, nargs="+", default=[1, 2, 4, 8])
+    diff.add_argument("--pp", type=_positive, default=1)
+    diff.add_argument("--format", choices=("text", "json"), default="text")
+    diff.set_defaults(run=_diff)
 
     vllm_config = commands.add_parser("vllm-config", help="print the --kv-transfer-config JSON for a policy")
     vllm_config.add_argument("--policy", required=True)
