@@ -105,5 +105,24 @@ class DocumentError(ValueError):
         return tuple(d for d in self.diagnostics if d.severity == "error")
 
 
+@dataclass(frozen=True)
+class PlanProblem:
+    """One reason the engine refuses a plan."""
+
+    message: str
+    """What is refused and why, naming the group, layer and rule."""
+    location: str | None = None
+    """``path:line:col`` of the expression or rule at fault, when the policy was loaded from a file."""
+
+    def __str__(self) -> str:
+        return f"{self.location}: error: {self.message}" if self.location else self.message
+
+
 class PlanError(ValueError):
-    """The engine refuses a plan it cannot prove consistent; the message names the group and rule."""
+    """The engine refuses a plan it cannot prove consistent: every reason found (each failing group
+    and layer, alike layers once), each naming its group and rule and, where it has one, located."""
+
+    def __init__(self, problems: str | Iterable[PlanProblem], location: str | None = None) -> None:
+        found = (PlanProblem(problems, location),) if isinstance(problems, str) else tuple(problems)
+        self.problems: tuple[PlanProblem, ...] = tuple(dict.fromkeys(found))
+        super().__init__("\n".join(str(problem) for problem in self.problems))

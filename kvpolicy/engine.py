@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvpolicy.catalog import is_subclass
-from kvpolicy.diagnostics import PlanError
+from kvpolicy.diagnostics import PlanError, PlanProblem
 from kvpolicy.expressions import ExpressionError, Value
 from kvpolicy.keys import KeyContext, fingerprint
 from kvpolicy.matcher import match_rule, spec_variables
@@ -67,10 +67,15 @@ def make_plan(
         "dcp_size": topology.dcp_size,
         "total_num_kv_heads": layout.total_num_kv_heads,
     }
-    decided = [
-        _decide_group(policy, group, index, variables, topology, demoted=index in demoted)
-        for index, group in enumerate(layout.groups)
-    ]
+    decided: list[GroupDecision] = []
+    problems: list[PlanProblem] = []
+    for index, group in enumerate(layout.groups):  # every group, so that one run reports every refusal
+        try:
+            decided.append(_decide_group(policy, group, index, variables, topology, demoted=index in demoted))
+        except PlanError as error:
+            problems.extend(error.problems)
+    if problems:
+        raise PlanError(problems)
     if store_sharding is not None:
         for index, decision in enumerate(decided):
             _check_sharded_group_unreplicated(index, decision, store_sharding, layout.total_num_kv_heads)
@@ -296,6 +301,7 @@ def _decide_group(
     decisions: list[LayerDecision] = []
     per_rank_bytes = 0.0
     signature: list[dict[str, object]] = []
+    failures: list[tuple[str, PlanProblem]] = []
     layer_sensitive = any(rule.match.layers is not None for rule in policy.rules)
     for member in group.members:
         try:
@@ -316,13 +322,29 @@ def _decide_group(
             }
         )
         if layer_sensitive:
-            decisions.extend(_decide_layer(policy, member, layer, member_variables, topology, label) for layer in member.layers)
+            for layer in member.layers:
+                try:
+                    decisions.append(_decide_layer(policy, member, layer, member_variables, topology, label))
+                except PlanError as error:
+                    failures.extend((layer, problem) for problem in error.problems)
         else:
-            first = _decide_layer(policy, member, member.layers[0], member_variables, topology, label)
+            try:
+                first = _decide_layer(policy, member, member.layers[0], member_variables, topology, label)
+            except PlanError as error:
+                # Decided once for all of this spec's layers, so it fails for all of them alike.
+                first_layer = f"layer {member.layers[0]}:"
+                failures.extend(
+                    (layer, dataclasses.replace(problem, message=problem.message.replace(first_layer, f"layer {layer}:")))
+                    for problem in error.problems
+                    for layer in member.layers
+                )
+                continue
             decisions.extend(
                 LayerDecision(layer, first.spec_type, first.rule, first.origin, first.factor, first.passed_over)
                 for layer in member.layers
             )
+    if failures:
+        raise PlanError(_alike_layers_once(failures))
     head_factor = 1 if demoted else math.gcd(*(decision.factor for decision in decisions))
     return GroupDecision(
         layer_decisions=tuple(decisions),
@@ -331,6 +353,20 @@ def _decide_group(
         bytes_per_token_per_rank=per_rank_bytes,
         signature=tuple(signature),
     )
+
+
+def _alike_layers_once(failures: Sequence[tuple[str, PlanProblem]]) -> list[PlanProblem]:
+    """One problem per distinct failure: layers failing the same way are named once, with a count."""
+    alike: dict[tuple[str | None, str], list[str]] = {}
+    for layer, problem in failures:
+        alike.setdefault((problem.location, problem.message.replace(f"layer {layer}:", "layer \0:")), []).append(layer)
+    return [
+        PlanProblem(
+            message.replace("layer \0:", f"layer {layers[0]}:" if len(layers) == 1 else f"layers {layers[0]} (+{len(layers) - 1} alike):"),
+            location,
+        )
+        for (location, message), layers in alike.items()
+    ]
 
 
 def _replica_set_size(head_factor: int, topology: Topology, decisions: Sequence[LayerDecision], label: str) -> int:
@@ -363,12 +399,18 @@ def _decide_layer(
             outcome = match_rule(rule, spec, layer, variables)
         except ExpressionError as error:
             origin = policy.rule_origin(rule_index)
-            raise PlanError(f"{label}, layer {layer}: rule '{rule.name}' ({origin}): {error.message}") from None
+            raise PlanError(
+                f"{label}, layer {layer}: rule '{rule.name}' ({origin}): when: {error.message}",
+                policy.expression_origin(rule_index, "when", error.column),
+            ) from None
         if not outcome.matched:
             passed_over.append((rule.name, outcome.reason))
             continue
         origin = policy.rule_origin(rule_index)
-        factor = _rule_factor(rule, variables, topology, f"{label}, layer {layer}: rule '{rule.name}' ({origin})")
+        where = f"{label}, layer {layer}: rule '{rule.name}' ({origin})"
+        factor = _rule_factor(
+            rule, variables, topology, where, lambda field, offset=0: policy.expression_origin(rule_index, field, offset)
+        )
         return LayerDecision(layer, spec.type, rule.name, origin, factor, tuple(passed_over))
     if policy.strict:
         raise PlanError(
@@ -379,7 +421,14 @@ def _decide_layer(
     return LayerDecision(layer, spec.type, None, f"unmatched: {policy.unmatched.value}", factor, tuple(passed_over))
 
 
-def _rule_factor(rule: Rule, variables: Mapping[str, Value], topology: Topology, where: str) -> int:
+def _rule_factor(
+    rule: Rule,
+    variables: Mapping[str, Value],
+    topology: Topology,
+    where: str,
+    locate: Callable[..., str | None],
+) -> int:
+    """The factor ``rule`` gives; ``locate(field, offset)`` is where its expression stands."""
     tp_size = topology.tp_size
     if rule.replication is not None:
         return tp_size if rule.replication is Replication.REPLICATED else 1
@@ -390,18 +439,20 @@ def _rule_factor(rule: Rule, variables: Mapping[str, Value], topology: Topology,
     if missing:
         raise PlanError(
             f"{where}: {quantity} reads '{missing[0]}', which this spec does not state; "
-            f"add '{missing[0]}' to the layout's spec fields (null when vLLM leaves it unset)"
+            f"add '{missing[0]}' to the layout's spec fields (null when vLLM leaves it unset)",
+            locate(quantity),
         )
     try:
         value = expression.evaluate(variables)
     except ExpressionError as error:
-        raise PlanError(f"{where}: {quantity}: {error.message}") from None
+        raise PlanError(f"{where}: {quantity}: {error.message}", locate(quantity, error.column)) from None
     if not isinstance(value, int) or isinstance(value, bool):
-        raise PlanError(f"{where}: {quantity} '{expression.source}' gave {value!r}, not an integer")
+        raise PlanError(f"{where}: {quantity} '{expression.source}' gave {value!r}, not an integer", locate(quantity))
     if value < 1 or tp_size % value:
         raise PlanError(
             f"{where}: {quantity} '{expression.source}' = {value}, which is not a divisor of tp_size {tp_size}; "
-            "replica sets must tile the TP ranks exactly"
+            "replica sets must tile the TP ranks exactly",
+            locate(quantity),
         )
     return value if rule.factor is not None else tp_size // value
 

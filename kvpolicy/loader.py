@@ -200,9 +200,20 @@ def _check_text(text: str, path: str) -> tuple[Document | None, list[Diagnostic]
         return None, problems
     if isinstance(document, Policy):
         document = document.with_origins(
-            tuple(f"{path}:{source.locate(('rules', index)).line}" for index in range(len(document.rules)))
+            tuple(f"{path}:{source.locate(('rules', index)).line}" for index in range(len(document.rules))),
+            tuple(_expression_origins(path, source, index, rule) for index, rule in enumerate(document.rules)),
         )
     return document, problems
+
+
+def _expression_origins(path: str, source: SourceMap, index: int, rule: Any) -> dict[str, str]:
+    """``file:line:col`` where each expression of rule ``index`` starts (inside its quotes)."""
+    origins = {}
+    for field in ("when", "factor", "shards"):
+        if getattr(rule, field) is not None and ("rules", index, field) in source.values:
+            position = source.values[("rules", index, field)]
+            origins[field] = f"{path}:{position.line}:{position.column + (1 if position.quoted else 0)}"
+    return origins
 
 
 def load(path: str | FilePath) -> Document:

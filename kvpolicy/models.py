@@ -38,6 +38,8 @@ from kvpolicy.expressions import Expression, ExpressionError
 
 TOPOLOGY_VARIABLES = ("tp_size", "pp_size", "pcp_size", "dcp_size", "total_num_kv_heads")
 """Variables every expression may read, besides the fields of the spec being matched."""
+RESERVED_FIELD_NAMES = frozenset((*TOPOLOGY_VARIABLES, "block_size", "page_size_bytes"))
+"""Names a spec field may not have: expressions read them from the topology or the spec itself."""
 
 SPEC_VARIABLES = ("block_size", "page_size_bytes")
 """Spec attributes every layout states and expressions may read."""
@@ -366,6 +368,7 @@ class Policy(StrictModel):
     """Extra spec field names that expressions may read (for spec classes from plugins)."""
 
     _origins: tuple[str, ...] = PrivateAttr(default=())
+    _expression_origins: tuple[Mapping[str, str], ...] = PrivateAttr(default=())
 
     @field_validator("rules")
     @classmethod
@@ -383,9 +386,23 @@ class Policy(StrictModel):
             return self._origins[index]
         return f"policy {self.name} rule {index + 1}"
 
-    def with_origins(self, origins: tuple[str, ...]) -> Policy:
+    def expression_origin(self, index: int, field: str, offset: int = 0) -> str | None:
+        """``file:line:col`` of rule ``index``'s ``field`` expression (``when``, ``factor``, ``shards``),
+        ``offset`` characters into it (an :class:`ExpressionError`'s ``column``), when loaded from a
+        file; else None."""
+        if index >= len(self._expression_origins) or field not in self._expression_origins[index]:
+            return None
+        path_line, _, start = self._expression_origins[index][field].rpartition(":")
+        return f"{path_line}:{int(start) + offset}"
+
+    def with_origins(
+        self, origins: tuple[str, ...], expression_origins: tuple[Mapping[str, str], ...] = ()
+    ) -> Policy:
+        """This policy, knowing where its rules (``file:line``) and their expressions
+        (``file:line:col`` per field) stand in the file it was loaded from."""
         copy = self.model_copy()
         copy._origins = origins
+        copy._expression_origins = expression_origins
         return copy
 
 
@@ -449,7 +466,7 @@ class Spec(StrictModel):
     @field_validator("fields")
     @classmethod
     def _no_shadowing(cls, fields: FrozenMapping[str, FieldValue]) -> FrozenMapping[str, FieldValue]:
-        reserved = [name for name in fields if name in (*TOPOLOGY_VARIABLES, "block_size", "page_size_bytes")]
+        reserved = [name for name in fields if name in RESERVED_FIELD_NAMES]
         if reserved:
             raise ValueError(
                 f"spec field '{reserved[0]}' would shadow the variable expressions read as '{reserved[0]}'; "

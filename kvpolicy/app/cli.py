@@ -447,7 +447,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for diagnostic in error.diagnostics:
             print(diagnostic)
         return 1
-    except (PlanError, ValueError) as error:
+    except PlanError as error:
+        for problem in error.problems:
+            where = f"{problem.location}: " if problem.location else ""
+            print(f"{where}error: {_one_line(problem.message)} [KVP301]")
+        return 1
+    except ValueError as error:
         print(f"error: {_one_line(error)}")
         return 1
     except BrokenPipeError:

@@ -134,9 +134,22 @@ def test_plan_refusal_is_an_error_line_naming_group_and_rule(tmp_path: Path, cap
         "  - name: always-three\n    reason: wrong on purpose\n    factor: 3\n"
     )
     code, out, _ = run(capsys, "plan", "--policy", str(policy), "--layout", "deepseek-v3", "--tp", "4")
-    assert code == 1
-    assert out.startswith("error: group 0 (mla)")
-    assert "rule 'always-three'" in out and "not a divisor of tp_size 4" in out
+    assert code == 1 and out.count("\n") == 1
+    # Located at the expression (line 7, after "    factor: "), every layer alike said once.
+    assert out.startswith(f"{policy}:7:13: error: group 0 (mla), layers model.layers.0.self_attn.attn (+60 alike): ")
+    assert "rule 'always-three'" in out and "not a divisor of tp_size 4" in out and out.endswith("[KVP301]\n")
+
+
+def test_plan_reports_every_failing_group_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "three.yaml"
+    policy.write_text(
+        "version: 1\nkind: ReplicationPolicy\nname: three\nrules:\n"
+        "  - name: always-three\n    reason: wrong on purpose\n    factor: 3\n"
+    )
+    code, out, _ = run(capsys, "plan", "--policy", str(policy), "--layout", "kimi-linear-48b-a3b", "--tp", "4")
+    assert code == 1 and [line.split(", layer")[0].split("error: ")[1] for line in out.splitlines()] == [
+        "group 0 (kda-0)", "group 1 (kda-1)", "group 2 (kda-2)", "group 3 (mla)"
+    ]
 
 
 def test_vllm_config_prints_the_line_to_paste(capsys: pytest.CaptureFixture[str]) -> None:

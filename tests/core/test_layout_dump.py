@@ -16,7 +16,7 @@ from test_engine_properties import layouts as engine_layouts
 
 from kvpolicy.dumper import compress_layer_names, dump_layout
 from kvpolicy.loader import check_file, check_text, load_layout
-from kvpolicy.models import Layout, Topology, expand_layer_pattern
+from kvpolicy.models import RESERVED_FIELD_NAMES, Layout, Topology, expand_layer_pattern
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_LAYOUTS = sorted((REPO / "examples" / "layouts").glob("*.yaml"))
@@ -266,7 +266,7 @@ def specs(draw: Any) -> dict[str, Any]:
         "bases": draw(st.lists(STRINGS, max_size=3)),
         "block_size": draw(st.integers(1, 4096)),
         "page_size_bytes": draw(st.one_of(st.integers(1, 2**40), st.sampled_from(["4096 // tp_size + 1", "16*2"]))),
-        "fields": draw(st.dictionaries(STRINGS, FIELD_VALUES, max_size=4)),
+        "fields": draw(st.dictionaries(STRINGS.filter(lambda name: name not in RESERVED_FIELD_NAMES), FIELD_VALUES, max_size=4)),
     }
 
 
