@@ -18,7 +18,7 @@ from kvpolicy.catalog import is_subclass
 from kvpolicy.diagnostics import PlanError, PlanProblem
 from kvpolicy.expressions import ExpressionError, Value
 from kvpolicy.keys import KeyContext, fingerprint
-from kvpolicy.matcher import match_rule, spec_variables
+from kvpolicy.matcher import layers_matching, layers_reason, match_spec, match_when, spec_variables
 from kvpolicy.models import Group, LayerSpecs, Layout, Policy, Replication, Rule, Schedule, Spec, Topology, thawed
 from kvpolicy.plan import GroupPlan, LayerDecision, Plan, RankAssignment, WriteSchedule
 from kvpolicy.store_layout import StoreSharding
@@ -54,6 +54,7 @@ def make_plan(
     """Plan every group of ``layout``; ``demoted`` groups are forced to factor 1 (audit fallback).
     ``store_sharding``: the deployment runs vLLM's TP-sharded store layout
     (:func:`kvpolicy.store_layout.select_store_layout`)."""
+    _check_bounded(policy, layout, topology)
     _check_vllm_accepts(layout, topology)
     if store_sharding is not None:
         _check_store_sharding(layout, topology, store_sharding)
@@ -107,6 +108,30 @@ def make_plan(
         for index, (group, decision) in enumerate(zip(layout.groups, decided, strict=True))
     )
     return dataclasses.replace(skeleton, groups=groups)
+
+
+MAX_RANK_ENTRIES = 1_000_000
+"""Groups × TP × PCP × PP ranks a plan may describe (each is an entry of the plan); real deployments
+have a few thousand."""
+MAX_GLOB_MATCHES = 2_000_000
+"""Layer-glob matches a plan may need (rules with ``layers`` × layers)."""
+
+
+def _check_bounded(policy: Policy, layout: Layout, topology: Topology) -> None:
+    """Refuse, before any work, a plan whose size alone would take seconds or gigabytes."""
+    entries = len(layout.groups) * topology.tp_size * topology.pcp_size * topology.pp_size
+    if entries > MAX_RANK_ENTRIES:
+        raise PlanError(
+            f"the plan would describe {entries:,} (group, rank) entries ({len(layout.groups)} groups x tp {topology.tp_size} "
+            f"x pcp {topology.pcp_size} x pp {topology.pp_size}); at most {MAX_RANK_ENTRIES:,} are planned"
+        )
+    layered = sum(1 for rule in policy.rules if rule.match.layers is not None)
+    layers = sum(len(member.layers) for group in layout.groups for member in group.members)
+    if layered * layers > MAX_GLOB_MATCHES:
+        raise PlanError(
+            f"{layered} rules with layer globs x {layers:,} layers is more than {MAX_GLOB_MATCHES:,} glob matches; "
+            "match layers with fewer rules"
+        )
 
 
 def _dcp_tokens(spec: Spec, topology: Topology) -> int:
@@ -301,8 +326,7 @@ def _decide_group(
     decisions: list[LayerDecision] = []
     per_rank_bytes = 0.0
     signature: list[dict[str, object]] = []
-    failures: list[tuple[str, PlanProblem]] = []
-    layer_sensitive = any(rule.match.layers is not None for rule in policy.rules)
+    failures: list[PlanProblem] = []
     for member in group.members:
         try:
             member_variables = spec_variables(member.spec, variables)
@@ -321,30 +345,12 @@ def _decide_group(
                 "layers": len(member.layers),
             }
         )
-        if layer_sensitive:
-            for layer in member.layers:
-                try:
-                    decisions.append(_decide_layer(policy, member, layer, member_variables, topology, label))
-                except PlanError as error:
-                    failures.extend((layer, problem) for problem in error.problems)
-        else:
-            try:
-                first = _decide_layer(policy, member, member.layers[0], member_variables, topology, label)
-            except PlanError as error:
-                # Decided once for all of this spec's layers, so it fails for all of them alike.
-                first_layer = f"layer {member.layers[0]}:"
-                failures.extend(
-                    (layer, dataclasses.replace(problem, message=problem.message.replace(first_layer, f"layer {layer}:")))
-                    for problem in error.problems
-                    for layer in member.layers
-                )
-                continue
-            decisions.extend(
-                LayerDecision(layer, first.spec_type, first.rule, first.origin, first.factor, first.passed_over)
-                for layer in member.layers
-            )
+        try:
+            decisions.extend(_decide_member(policy, member, member_variables, topology, label))
+        except PlanError as error:
+            failures.extend(error.problems)
     if failures:
-        raise PlanError(_alike_layers_once(failures))
+        raise PlanError(failures)
     head_factor = 1 if demoted else math.gcd(*(decision.factor for decision in decisions))
     return GroupDecision(
         layer_decisions=tuple(decisions),
@@ -353,20 +359,6 @@ def _decide_group(
         bytes_per_token_per_rank=per_rank_bytes,
         signature=tuple(signature),
     )
-
-
-def _alike_layers_once(failures: Sequence[tuple[str, PlanProblem]]) -> list[PlanProblem]:
-    """One problem per distinct failure: layers failing the same way are named once, with a count."""
-    alike: dict[tuple[str | None, str], list[str]] = {}
-    for layer, problem in failures:
-        alike.setdefault((problem.location, problem.message.replace(f"layer {layer}:", "layer \0:")), []).append(layer)
-    return [
-        PlanProblem(
-            message.replace("layer \0:", f"layer {layers[0]}:" if len(layers) == 1 else f"layers {layers[0]} (+{len(layers) - 1} alike):"),
-            location,
-        )
-        for (location, message), layers in alike.items()
-    ]
 
 
 def _replica_set_size(head_factor: int, topology: Topology, decisions: Sequence[LayerDecision], label: str) -> int:
@@ -384,41 +376,73 @@ def _replica_set_size(head_factor: int, topology: Topology, decisions: Sequence[
     )
 
 
-def _decide_layer(
+def _layers_label(layers: Sequence[str]) -> str:
+    return f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]} (+{len(layers) - 1} alike)"
+
+
+def _decide_member(
     policy: Policy,
     member: LayerSpecs,
-    layer: str,
     variables: Mapping[str, Value],
     topology: Topology,
     label: str,
-) -> LayerDecision:
+) -> list[LayerDecision]:
+    """The decision for every layer of one spec, in layer order.
+
+    Rules are tried in order for the layers still undecided, all at once: a rule's spec, field and
+    ``when`` conditions hold for every layer of the spec alike, so only its layer globs split them.
+    The layers still undecided share one history of rules passed over; work and memory are linear in
+    rules plus layers (plus one glob match per layer and layer-matching rule).
+    """
     spec = member.spec
+    pending: list[str] = list(member.layers)
     passed_over: list[tuple[str, str]] = []
+    decided: dict[str, LayerDecision] = {}
     for rule_index, rule in enumerate(policy.rules):
+        if not pending:
+            break
+        outcome = match_spec(rule, spec)
+        if not outcome.matched:
+            passed_over.append((rule.name, outcome.reason))
+            continue
+        selected = layers_matching(rule, pending)
+        if not selected:
+            passed_over.append((rule.name, layers_reason(rule)))
+            continue
+        origin = policy.rule_origin(rule_index)
         try:
-            outcome = match_rule(rule, spec, layer, variables)
+            outcome = match_when(rule, spec, variables)
         except ExpressionError as error:
-            origin = policy.rule_origin(rule_index)
             raise PlanError(
-                f"{label}, layer {layer}: rule '{rule.name}' ({origin}): when: {error.message}",
+                f"{label}, {_layers_label(selected)}: rule '{rule.name}' ({origin}): when: {error.message}",
                 policy.expression_origin(rule_index, "when", error.column),
             ) from None
         if not outcome.matched:
             passed_over.append((rule.name, outcome.reason))
             continue
-        origin = policy.rule_origin(rule_index)
-        where = f"{label}, layer {layer}: rule '{rule.name}' ({origin})"
+        where = f"{label}, {_layers_label(selected)}: rule '{rule.name}' ({origin})"
         factor = _rule_factor(
             rule, variables, topology, where, lambda field, offset=0: policy.expression_origin(rule_index, field, offset)
         )
-        return LayerDecision(layer, spec.type, rule.name, origin, factor, tuple(passed_over))
-    if policy.strict:
-        raise PlanError(
-            f"{label}, layer {layer}: no rule matches {spec.type} and the policy is strict; "
-            f"add a rule for {spec.type} (or one of {', '.join(spec.bases) or 'its bases'})"
-        )
-    factor = topology.tp_size if policy.unmatched is Replication.REPLICATED else 1
-    return LayerDecision(layer, spec.type, None, f"unmatched: {policy.unmatched.value}", factor, tuple(passed_over))
+        history = tuple(passed_over)
+        decided.update((layer, LayerDecision(layer, spec.type, rule.name, origin, factor, history)) for layer in selected)
+        if len(selected) == len(pending):
+            pending = []
+        else:
+            chosen = set(selected)
+            pending = [layer for layer in pending if layer not in chosen]
+            passed_over.append((rule.name, layers_reason(rule)))
+    if pending:
+        if policy.strict:
+            raise PlanError(
+                f"{label}, {_layers_label(pending)}: no rule matches {spec.type} and the policy is strict; "
+                f"add a rule for {spec.type} (or one of {', '.join(spec.bases) or 'its bases'})"
+            )
+        factor = topology.tp_size if policy.unmatched is Replication.REPLICATED else 1
+        history = tuple(passed_over)
+        origin = f"unmatched: {policy.unmatched.value}"
+        decided.update((layer, LayerDecision(layer, spec.type, None, origin, factor, history)) for layer in pending)
+    return [decided[layer] for layer in member.layers]
 
 
 def _rule_factor(

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import difflib
+import itertools
 import os
 import stat
 import types
@@ -399,6 +400,7 @@ def _semantic_checks(document: Document, source: SourceMap) -> Iterator[Diagnost
 
 
 def _policy_checks(policy: Policy, source: SourceMap) -> Iterator[Diagnostic]:
+    shadows = _ShadowIndex()
     known = _known_variables(policy.spec_fields)
     field_names = catalog.SPEC_FIELDS | frozenset(SPEC_VARIABLES) | frozenset(policy.spec_fields)
     for index, rule in enumerate(policy.rules):
@@ -431,7 +433,8 @@ def _policy_checks(policy: Policy, source: SourceMap) -> Iterator[Diagnostic]:
                     severity="warning",
                     prefer_key=True,
                 )
-        shadow = _shadowing_rule(policy, index)
+        shadow = shadows.shadowing(rule)
+        shadows.add(index, rule)
         if shadow is not None:
             yield source.diagnostic(
                 ("rules", index),
@@ -443,24 +446,74 @@ def _policy_checks(policy: Policy, source: SourceMap) -> Iterator[Diagnostic]:
             )
 
 
-def _shadowing_rule(policy: Policy, index: int) -> int | None:
-    later = policy.rules[index].match
-    for earlier_index, earlier_rule in enumerate(policy.rules[:index]):
-        earlier = earlier_rule.match
-        if earlier_rule.when is not None or earlier.layers is not None:
-            continue
-        if any(later.fields.get(name, _MISSING) != value for name, value in earlier.fields.items()):
-            continue
-        if earlier.spec is None:
-            return earlier_index
-        if later.spec is not None and all(
-            any(catalog.is_subclass(name, ancestor) for ancestor in earlier.spec) for name in later.spec
-        ):
-            return earlier_index
-    return None
+class _ShadowIndex:
+    """The earlier rules that could make a later one unreachable, indexed so that checking every rule
+    is linear in the policy's size: only rules without ``when`` or ``layers`` shadow, and a rule
+    shadows a later one when its field conditions are a subset of the later one's and its spec
+    classes cover every class the later one lists."""
+
+    MAX_FIELD_SUBSETS = 64
+    """A later rule is checked against earlier rules whose conditions are a subset of its own; with
+    more than 6 field conditions only the empty and the full set are tried (a bounded, sound miss)."""
+
+    def __init__(self) -> None:
+        # key: the earlier rule's field conditions; value: (first rule with any spec, class -> rules listing it or a base)
+        self._any_spec: dict[frozenset[tuple[str, Any]], int] = {}
+        self._by_class: dict[frozenset[tuple[str, Any]], dict[str, list[int]]] = {}
+
+    @staticmethod
+    def _conditions(rule: Any) -> frozenset[tuple[str, Any]] | None:
+        try:
+            return frozenset(rule.match.fields.items())
+        except TypeError:  # an unhashable condition value: such a rule is never indexed
+            return None
+
+    def shadowing(self, rule: Any) -> int | None:
+        """The first earlier rule that matches everything ``rule`` matches, or None."""
+        conditions = self._conditions(rule)
+        if conditions is None:
+            return None
+        items = sorted(conditions, key=repr)
+        subsets: list[frozenset[tuple[str, Any]]]
+        if 2 ** len(items) <= self.MAX_FIELD_SUBSETS:
+            subsets = [frozenset(combo) for size in range(len(items) + 1) for combo in itertools.combinations(items, size)]
+        else:
+            subsets = [frozenset(), conditions]
+        found: list[int] = []
+        for subset in subsets:
+            if subset in self._any_spec:
+                found.append(self._any_spec[subset])
+            by_class = self._by_class.get(subset)
+            if by_class is None or rule.match.spec is None:
+                continue
+            # An earlier rule covering every listed class: one in each class's candidate list.
+            candidates: set[int] | None = None
+            for name in rule.match.spec:
+                covering = set(by_class.get(name, ()))
+                candidates = covering if candidates is None else candidates & covering
+                if not candidates:
+                    break
+            if candidates:
+                found.append(min(candidates))
+        return min(found) if found else None
+
+    def add(self, index: int, rule: Any) -> None:
+        if rule.when is not None or rule.match.layers is not None:
+            return
+        conditions = self._conditions(rule)
+        if conditions is None:
+            return
+        if rule.match.spec is None:
+            self._any_spec.setdefault(conditions, index)
+            return
+        by_class = self._by_class.setdefault(conditions, {})
+        for ancestor in rule.match.spec:
+            by_class.setdefault(ancestor, []).append(index)
+            for name, bases in catalog.SPEC_CLASSES.items():  # the known subclasses it covers too
+                if ancestor in bases:
+                    by_class.setdefault(name, []).append(index)
 
 
-_MISSING = object()
 
 
 def _layout_checks(layout: Layout, source: SourceMap) -> Iterator[Diagnostic]:

@@ -349,7 +349,7 @@ class Policy(StrictModel):
     """Policy name, shown in plans."""
     description: str = ""
     """What the policy is for."""
-    rules: tuple[Rule, ...]
+    rules: tuple[Rule, ...] = Field(max_length=1000)
     """Ordered rules; the first match per layer spec wins."""
     unmatched: Replication = Replication.SHARDED
     """Replication of specs no rule matches; ``sharded`` is always safe."""

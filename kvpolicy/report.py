@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpolicy.audit import AuditStatus, initial_statuses
-from kvpolicy.plan import GroupPlan, Plan
+from kvpolicy.plan import GroupPlan, LayerDecision, Plan
 from kvpolicy.traffic import PromptTraffic
 
 
@@ -91,14 +91,15 @@ def format_explanation(plan: Plan) -> str:
     lines: list[str] = []
     for group in plan.groups:
         lines.append(f"group {group.index} ({group.name}): factor {group.factor} = gcd of its layers' factors")
-        previous: tuple[object, ...] | None = None
+        # Layers decided identically are said once, at the first of them (one pass: a group may have
+        # thousands of layers). Decisions of one spec share their history tuple, so keys hash fast.
+        alike: dict[tuple[object, ...], list[LayerDecision]] = {}
         for decision in group.decisions:
-            summary = (decision.spec_type, decision.rule, decision.factor, decision.passed_over)
-            if summary == previous:
-                continue  # consecutive layers decided identically: say it once
-            previous = summary
-            same = [d.layer for d in group.decisions if (d.spec_type, d.rule, d.factor, d.passed_over) == summary]
-            layers = same[0] if len(same) == 1 else f"{same[0]} (+{len(same) - 1} more layers alike)"
+            key = (decision.spec_type, decision.rule, decision.factor, decision.passed_over)
+            alike.setdefault(key, []).append(decision)
+        for same in alike.values():
+            decision = same[0]
+            layers = decision.layer if len(same) == 1 else f"{decision.layer} (+{len(same) - 1} more layers alike)"
             lines.append(f"  {layers}: {decision.spec_type}")
             for rule, reason in decision.passed_over:
                 lines.append(f"    - {rule}: skipped, {reason}")

@@ -16,8 +16,10 @@ from yaml.constructor import SafeConstructor
 from kvpolicy.diagnostics import Diagnostic
 
 Path = tuple[str | int, ...]
-MAX_DOCUMENT_BYTES = 4 * 1024 * 1024
-MAX_NODES = 200_000
+MAX_DOCUMENT_BYTES = 1024 * 1024
+"""A policy or layout is a few KiB; a captured layout of a thousand layers some tens."""
+MAX_NODES = 100_000
+"""YAML nodes (keys, values, alias uses) one document may build."""
 _STR_TAG = "tag:yaml.org,2002:str"
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the C parser keeps line/column marks too
 
@@ -154,7 +156,9 @@ def parse(text: str, path: str) -> tuple[Any, SourceMap, list[Diagnostic]]:
     """Parse one YAML document; return its value, its source map and any problems found."""
     source = SourceMap(path)
     if len(text.encode("utf-8", errors="replace")) > MAX_DOCUMENT_BYTES:
-        return None, source, [Diagnostic(path, 1, 1, "error", f"file is larger than {MAX_DOCUMENT_BYTES} bytes", "KVP003")]
+        return None, source, [
+            Diagnostic(path, 1, 1, "error", f"document is larger than {MAX_DOCUMENT_BYTES} bytes", "KVP003")
+        ]
     try:
         nodes = list(yaml.compose_all(text, Loader=_LOADER))
     except yaml.reader.ReaderError as error:

@@ -16,7 +16,7 @@ import pytest
 
 from kvpolicy.diagnostics import MAX_MESSAGE_CHARS, Diagnostic
 from kvpolicy.loader import MAX_DIAGNOSTICS_PER_FILE, check_file, check_text
-from kvpolicy.yamlsource import MAX_DOCUMENT_BYTES
+from kvpolicy.yamlsource import MAX_DOCUMENT_BYTES, MAX_NODES
 
 POLICY_HEAD = "version: 1\nkind: ReplicationPolicy\nname: example\n"
 LAYOUT = """\
@@ -120,9 +120,9 @@ def test_at_most_the_cap_of_problems_is_listed_and_the_rest_counted() -> None:
 
 
 def test_mapping_keys_count_towards_the_node_limit() -> None:
-    keys = "".join(f"k{index}: 0\n" for index in range(120_000))  # 120k keys, 120k values: over 200k nodes
+    keys = "".join(f"k{index}: 0\n" for index in range(MAX_NODES // 2 + 10))  # keys and values: over the limit
     error = only_error(check_text(POLICY_HEAD + "rules: []\nspec_fields:\n" + textwrap.indent(keys, "  "), "p.yaml")[1])
-    assert "more than 200000 nodes" in error.message
+    assert f"more than {MAX_NODES} nodes" in error.message
 
 
 @pytest.mark.parametrize(
