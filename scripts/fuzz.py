@@ -39,9 +39,15 @@ TARGETS: dict[str, tuple[float, st.SearchStrategy[Any], Callable[[Any], None]]] 
     "generated-documents": (2, fs.generated_documents(), fs.check_contract),
     "validate-cli": (
         1,
-        st.tuples(fs.raw_files(), st.sampled_from(["text", "json"])),
+        st.tuples(fs.raw_files(), st.sampled_from(["text", "json", "github", "sarif"])),
         lambda case: fs.validate_contract(case[0], case[1], SCRATCH),  # SCRATCH as set by main()
     ),
+    "special-files": (
+        0.3,
+        st.tuples(st.sampled_from(fs.SPECIAL_FILES), st.sampled_from(["text", "json", "github", "sarif"])),
+        lambda case: fs.special_file_contract(case[0], case[1], SCRATCH.parent),
+    ),
+    "cli-flags": (0.5, fs.plan_argvs(), fs.cli_contract),
     "expressions": (2, fs.expressions(), fs.expression_contract),
     "pathological-expressions": (0.5, fs.pathological_expressions(), fs.expression_contract),
     "key-templates": (1, fs.key_templates(), fs.template_contract),

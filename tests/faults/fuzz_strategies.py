@@ -24,6 +24,7 @@ import contextlib
 import copy
 import io
 import json
+import os
 import re
 import signal
 import string
@@ -670,18 +671,100 @@ def validate_contract(content: bytes, output: str, path: Path) -> None:
 
 
 def judge_validate(code: int, out: str, err: str, output: str, path: Path) -> None:
-    """Exit 0 or 1, no traceback; JSON output parses and agrees with the exit code; text output has
-    one located ``PATH:LINE:COL: severity:`` line per problem (a message may contain a newline the
-    user wrote)."""
+    """Exit 0 or 1, no traceback, output bounded; JSON and SARIF parse and agree with the exit code;
+    text and GitHub output have one located line per problem and nothing else."""
     assert code in (0, 1), code
     assert "Traceback" not in out + err, out + err
+    bound = (MAX_DIAGNOSTICS_PER_FILE + 1) * (MAX_MESSAGE_CHARS + len(str(path)) + 400) + 10_000
+    assert len(out) + len(err) <= bound, f"{len(out)} characters of output"
     if output == "json":
         payload = json.loads(out)
         assert payload["valid"] == (code == 0), payload
         for diagnostic in payload["files"][0]["diagnostics"]:
             assert diagnostic["line"] >= 1 and diagnostic["column"] >= 1 and diagnostic["message"], diagnostic
+    elif output == "sarif":
+        (run,) = json.loads(out)["runs"]
+        levels = {result["level"] for result in run["results"]}
+        assert ("error" in levels) == (code == 1), levels
     else:
-        located = re.compile(re.escape(str(path)) + r":\d+:\d+: (error|warning): ")
-        problems = check_file(path)[1]
-        assert sum(1 for line in out.splitlines() if located.match(line)) >= len(problems), out
-        assert code == 0 or problems, out
+        prefix = r"::(error|warning) file=" if output == "github" else re.escape(str(path)) + r":\d+:\d+: (error|warning): "
+        located = re.compile(prefix)
+        lines = out.splitlines()
+        assert all(located.match(line) for line in lines), out[:2000]
+        assert code == 0 or lines, out
+
+
+SPECIAL_FILES = ("fifo", "dev-zero", "dev-null", "directory", "sparse-huge", "symlink-loop", "dangling-symlink", "missing")
+
+
+def special_file(kind: str, directory: Path) -> Path:
+    """A path of ``kind`` in ``directory`` that is no regular file of bounded size."""
+    path = directory / f"{kind}.yaml"
+    if path.is_symlink() or path.exists():
+        return path
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind in ("dev-zero", "dev-null"):
+        path.symlink_to(f"/dev/{kind[4:]}")
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "sparse-huge":
+        with path.open("wb") as stream:
+            stream.truncate(1 << 34)
+    elif kind == "symlink-loop":
+        path.symlink_to(path)
+    elif kind == "dangling-symlink":
+        path.symlink_to(directory / "nowhere")
+    return path
+
+
+def special_file_contract(kind: str, output: str, directory: Path) -> None:
+    """``kvpolicy validate`` on a special path: one located error, exit 1, within the time limit."""
+    path = special_file(kind, directory)
+    out, err = io.StringIO(), io.StringIO()
+    with time_limit(CHECK_SECONDS, f"kvpolicy validate {kind}"), contextlib.redirect_stdout(out):
+        with contextlib.redirect_stderr(err):
+            code = cli_main(["validate", "--format", output, str(path)])
+    assert code == 1, (kind, code)
+    judge_validate(code, out.getvalue(), err.getvalue(), output, path)
+
+
+FLAG_VALUES = st.one_of(
+    st.integers(-3, 20).map(str),
+    st.sampled_from(["0", "4096", "4097", "99999999999999999999", "1e3", "", "x", "-0", "8 "]),
+)
+
+
+@st.composite
+def plan_argvs(draw: Any) -> list[str]:
+    """Command lines for ``plan`` / ``explain`` / ``diff`` with arbitrary sizes and names."""
+    command = draw(st.sampled_from(["plan", "explain", "diff"]))
+    names = st.sampled_from(["default", "vllm-compat", "no-dedup", "nosuch", "", "/dev/zero", "../x"])
+    layouts = st.sampled_from(["deepseek-v3", "kimi-linear-48b-a3b", "llama-3.1-70b", "nosuch", "/dev/null"])
+    if command == "diff":
+        argv = ["diff", draw(names), draw(names), "--layout", draw(layouts), "--tp", draw(FLAG_VALUES)]
+    else:
+        argv = [command, "--policy", draw(names), "--layout", draw(layouts), "--tp", draw(FLAG_VALUES)]
+        for flag in draw(st.lists(st.sampled_from(["--pp", "--pcp", "--dcp", "--store-tp", "--prompt-tokens"]), max_size=3, unique=True)):
+            argv += [flag, draw(FLAG_VALUES)]
+        if draw(st.booleans()):
+            argv += ["--format", "json"]
+    return argv
+
+
+def cli_contract(argv: list[str]) -> None:
+    """Any command line: exit 0, 1 or 2, never a traceback, output bounded, errors on one line each."""
+    out, err = io.StringIO(), io.StringIO()
+    with time_limit(CHECK_SECONDS * 5, " ".join(argv)), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli_main(argv)
+        except SystemExit as exit_:  # argparse's usage errors
+            code = exit_.code if isinstance(exit_.code, int) else 2
+    text = out.getvalue() + err.getvalue()
+    assert code in (0, 1, 2), (argv, code)
+    assert "Traceback" not in text, text[-2000:]
+    assert len(text) <= 2_000_000, len(text)
+    if code == 1 and "--format" not in argv:
+        for line in out.getvalue().splitlines():
+            if "error" in line:
+                assert line.startswith(("error: ", "/")) or re.match(r"[^:]+:\d+:\d+: error: ", line), line

@@ -98,7 +98,7 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @settings(
     FUZZ, max_examples=80, suppress_health_check=[*FUZZ.suppress_health_check, HealthCheck.function_scoped_fixture]
 )
-@given(content=fs.raw_files(), output=st.sampled_from(["text", "json"]))
+@given(content=fs.raw_files(), output=st.sampled_from(["text", "json", "github", "sarif"]))
 def test_validate_prints_diagnostics_never_a_traceback(
     content: bytes, output: str, scratch: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -109,6 +109,18 @@ def test_validate_prints_diagnostics_never_a_traceback(
         code = main(["validate", "--format", output, str(scratch)])
     out, err = capsys.readouterr()
     fs.judge_validate(code, out, err, output, scratch)
+
+
+@pytest.mark.parametrize("output", ["text", "json", "github", "sarif"])
+@pytest.mark.parametrize("kind", fs.SPECIAL_FILES)
+def test_validate_refuses_every_special_path_with_one_located_error(kind: str, output: str, tmp_path: Path) -> None:
+    fs.special_file_contract(kind, output, tmp_path)
+
+
+@settings(FUZZ, max_examples=60)
+@given(fs.plan_argvs())
+def test_any_plan_explain_or_diff_command_line_exits_0_1_or_2_without_a_traceback(argv: list[str]) -> None:
+    fs.cli_contract(argv)
 
 
 # --- the expression evaluator --------------------------------------------------------------------
