@@ -26,14 +26,15 @@ from pydantic import (
     GetCoreSchemaHandler,
     PlainSerializer,
     PrivateAttr,
+    ValidationError,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError, core_schema
+from pydantic_core import InitErrorDetails, PydanticCustomError, core_schema
 
-from kvpolicy.catalog import is_subclass
+from kvpolicy.catalog import SPEC_FIELDS, is_subclass
 from kvpolicy.expressions import Expression, ExpressionError
 
 TOPOLOGY_VARIABLES = ("tp_size", "pp_size", "pcp_size", "dcp_size", "total_num_kv_heads")
@@ -186,6 +187,28 @@ def _as_tuple(value: Any) -> Any:
     return (value,) if isinstance(value, str) else value
 
 
+NameOrNames = Annotated[
+    tuple[str, ...],
+    BeforeValidator(_as_tuple),
+    WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}),
+]
+"""A name, or a list of names (read as a tuple)."""
+
+_LAYER_NAME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": 1000}
+LayerNames = Annotated[
+    tuple[Annotated[str, Field(min_length=1, max_length=1000)], ...],
+    WithJsonSchema({"anyOf": [_LAYER_NAME_SCHEMA, {"type": "array", "items": _LAYER_NAME_SCHEMA, "minItems": 1}]}),
+]
+"""Layer names or ``{a..b}`` patterns: one, or a list; none empty."""
+
+
+def _located_error(check: str, location: tuple[str | int, ...], value: Any, error: ExpressionError) -> InitErrorDetails:
+    """A validation error of ``check`` (a :data:`kvpolicy.diagnostics.CHECKS` name) at ``location``
+    below the model raising it, ``column`` characters into the value."""
+    context = {"message": error.message, "column": error.column}
+    return InitErrorDetails(type=PydanticCustomError(check, "{message}", context), loc=location, input=value)
+
+
 def _not_a_boolean(value: Any) -> Any:
     # YAML's `true` is Python's True, which equals 1; the JSON Schema's `const: 1` rejects it, so must this.
     if isinstance(value, bool):
@@ -247,14 +270,12 @@ class AuditMode(str, Enum):
 class Match(StrictModel):
     """Which layer specs a rule applies to. All given conditions must hold; none given matches all."""
 
-    spec: tuple[str, ...] | None = None
-    """Spec class names; a spec matches when its class or any of its base classes is listed."""
+    spec: NameOrNames | None = None
+    """Spec class names (one, or a list); a spec matches when its class or any of its base classes is listed."""
     fields: FrozenMapping[str, FieldValue] = Field(default_factory=FrozenMapping)
     """Spec field values that must be equal; a list means any of its values."""
-    layers: tuple[str, ...] | None = None
-    """Layer-name globs (fnmatch); a layer matches when any glob matches its name."""
-
-    _as_tuples = field_validator("spec", "layers", mode="before")(_as_tuple)
+    layers: NameOrNames | None = None
+    """Layer-name globs (fnmatch; one, or a list); a layer matches when any glob matches its name."""
 
 
 class Rule(StrictModel):
@@ -380,6 +401,23 @@ class Policy(StrictModel):
             seen.add(rule.name)
         return rules
 
+    @model_validator(mode="after")
+    def _expressions_read_known_variables(self) -> Policy:
+        known = frozenset(TOPOLOGY_VARIABLES) | frozenset(SPEC_VARIABLES) | SPEC_FIELDS | frozenset(self.spec_fields)
+        errors: list[InitErrorDetails] = []
+        for index, rule in enumerate(self.rules):
+            for field in ("when", "factor", "shards"):
+                expression: Expression | None = getattr(rule, field)
+                if expression is None:
+                    continue
+                try:
+                    expression.check_names(known)
+                except ExpressionError as error:
+                    errors.append(_located_error("invalid-expression", ("rules", index, field), expression.source, error))
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
+        return self
+
     def rule_origin(self, index: int) -> str:
         """``file:line`` of rule ``index`` when loaded from a file, else ``policy <name> rule <n>``."""
         if index < len(self._origins):
@@ -463,6 +501,15 @@ class Spec(StrictModel):
     """Other dataclass fields of the spec; none may be named like a topology variable, ``block_size``
     or ``page_size_bytes``, which expressions read from elsewhere."""
 
+    @field_validator("page_size_bytes")
+    @classmethod
+    def _page_size_reads_the_topology(cls, page_size: Expression) -> Expression:
+        try:
+            page_size.check_names(frozenset(TOPOLOGY_VARIABLES))
+        except ExpressionError as error:
+            raise ValueError(error.message) from error
+        return page_size
+
     @field_validator("fields")
     @classmethod
     def _no_shadowing(cls, fields: FrozenMapping[str, FieldValue]) -> FrozenMapping[str, FieldValue]:
@@ -485,8 +532,8 @@ class LayerSpecs(StrictModel):
 
     spec: Spec
     """The spec of these layers."""
-    layers: tuple[str, ...] = Field(min_length=1)
-    """Layer names; ``{a..b}`` expands to the integers a through b."""
+    layers: LayerNames = Field(min_length=1)
+    """Layer names (one, or a list); ``{a..b}`` expands to the integers a through b."""
 
     @field_validator("layers", mode="before")
     @classmethod
@@ -504,8 +551,8 @@ class Group(StrictModel):
     """Short name shown in plans."""
     spec: Spec | None = None
     """The group's spec, when all its layers share one."""
-    layers: tuple[str, ...] | None = None
-    """Layer names when ``spec`` is given; ``{a..b}`` expands to the integers a through b."""
+    layers: LayerNames | None = None
+    """Layer names (one, or a list) when ``spec`` is given; ``{a..b}`` expands to the integers a through b."""
     uniform: tuple[LayerSpecs, ...] | None = None
     """Per-layer specs of a ``UniformTypeKVCacheSpecs`` group."""
 
@@ -571,6 +618,30 @@ class Layout(StrictModel):
                 {"total": total, "limit": MAX_LAYOUT_LAYERS},
             )
         return data
+
+    @model_validator(mode="after")
+    def _each_layer_in_one_group(self) -> Layout:
+        first_seen: dict[str, int] = {}
+        errors: list[InitErrorDetails] = []
+        for group_index, group in enumerate(self.groups):
+            for member_index, member in enumerate(group.members):
+                location = ("groups", group_index, "layers") if group.uniform is None else (
+                    "groups", group_index, "uniform", member_index, "layers"
+                )
+                for layer in member.layers:
+                    if layer in first_seen and len(errors) < 100:
+                        message = f"layer '{layer}' is already in group {first_seen[layer]}; a layer belongs to one group"
+                        errors.append(
+                            InitErrorDetails(
+                                type=PydanticCustomError("duplicate-layer", "{message}", {"message": message}),
+                                loc=location,
+                                input=layer,
+                            )
+                        )
+                    first_seen.setdefault(layer, group_index)
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
+        return self
 
     @field_validator("groups")
     @classmethod

@@ -1,0 +1,100 @@
+"""One source of validity: the Pydantic models decide what is valid; ``kvpolicy validate`` only
+locates what they refuse, and the shipped JSON Schema never refuses what they accept."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
+import fuzz_strategies as fs  # noqa: E402
+
+from kvpolicy.loader import KINDS, check_text, schemas_dir  # noqa: E402
+from kvpolicy.yamlsource import parse  # noqa: E402
+
+SCHEMAS = {
+    "ReplicationPolicy": json.loads((schemas_dir() / "policy.schema.json").read_text(encoding="utf-8")),
+    "ModelLayout": json.loads((schemas_dir() / "layout.schema.json").read_text(encoding="utf-8")),
+}
+
+
+def verdicts(text: str) -> tuple[bool, bool, bool] | None:
+    """(validate accepts, model_validate accepts, the JSON Schema accepts), or None for text that is
+    not a single well-formed document of a known kind (nothing for the three to agree on)."""
+    data, _, problems = parse(text, "doc.yaml")
+    if problems or not isinstance(data, dict) or not isinstance(data.get("kind"), str) or data["kind"] not in KINDS:
+        return None
+    document, _ = check_text(text, "doc.yaml")
+    try:
+        KINDS[data["kind"]].model_validate(data)
+        model_accepts = True
+    except ValidationError:
+        model_accepts = False
+    validator = jsonschema.Draft202012Validator(SCHEMAS[data["kind"]])
+    try:
+        schema_accepts = validator.is_valid(data)
+    except (TypeError, ValueError):  # a YAML value JSON has no type for (a date): not JSON at all
+        schema_accepts = False
+    return document is not None, model_accepts, schema_accepts
+
+
+def agree(text: str) -> None:
+    found = verdicts(text)
+    if found is None:
+        return
+    validate_accepts, model_accepts, schema_accepts = found
+    assert validate_accepts == model_accepts, "kvpolicy validate and model_validate disagree"
+    assert schema_accepts or not model_accepts, "the JSON Schema refuses a document the models accept"
+
+
+PROPERTY = settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@PROPERTY
+@given(st.one_of(fs.generated_documents(), fs.mutated_documents()))
+def test_validate_the_models_and_the_schema_agree_on_generated_documents(text: str) -> None:
+    agree(text)
+
+
+@pytest.mark.parametrize(
+    "line, replacement",
+    [
+        ("version: 1", "version: true"),
+        ("schedule: striped", "schedule: 'on'"),
+        ("  steps: 4", "  steps: '4'"),
+        ("  steps: 4", "  steps: 4.0"),
+        ("name: default", "name: Default"),
+    ],
+)
+def test_lax_values_are_refused_by_validate_the_models_and_the_schema_alike(line: str, replacement: str) -> None:
+    text = (Path(__file__).resolve().parents[2] / "policies" / "default.yaml").read_text(encoding="utf-8")
+    assert line in text
+    found = verdicts(text.replace(line, replacement, 1))
+    assert found is not None and found[:2] == (False, False)
+
+
+def test_an_unknown_expression_variable_is_refused_by_the_model_itself() -> None:
+    data: dict[str, Any] = {
+        "version": 1, "kind": "ReplicationPolicy", "name": "p",
+        "rules": [{"name": "r", "reason": "r", "factor": "tp_sise"}],
+    }
+    with pytest.raises(ValidationError, match="unknown variable 'tp_sise'"):
+        KINDS["ReplicationPolicy"].model_validate(data)
+
+
+def test_a_layer_in_two_groups_is_refused_by_the_model_itself() -> None:
+    spec = {"type": "FullAttentionSpec", "block_size": 16, "page_size_bytes": 4096}
+    data = {
+        "version": 1, "kind": "ModelLayout", "model": "m", "total_num_kv_heads": 1,
+        "groups": [{"spec": spec, "layers": ["l0"]}, {"spec": spec, "layers": ["l0"]}],
+    }
+    with pytest.raises(ValidationError, match="layer 'l0' is already in group 0"):
+        KINDS["ModelLayout"].model_validate(data)
