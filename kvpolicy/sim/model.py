@@ -80,6 +80,7 @@ def build_model(
     extra_config: Mapping[str, object] = MappingProxyType({}),
     dcp_size: int = 1,
     kv_cache_layout: str | None = None,
+    pp_size: int = 1,
 ) -> SimulatedModel:
     """vLLM's ``KVCacheConfig`` for ``archetype`` at ``tp_size``: layers grouped by vLLM's
     ``get_kv_cache_groups`` and sized by ``get_kv_cache_config_from_groups`` for ``blocks_needed``
@@ -89,14 +90,15 @@ def build_model(
     set on the parallel config afterwards, where the coordinator and the block-size resolution read it.
     ``kv_cache_layout`` (a ``KVCacheLayout`` name, e.g. ``LBHNC``, the one vLLM's CPU attention
     backend supports) is the layout the attention backends would declare; by default vLLM's own
-    preference for backends that declare none."""
+    preference for backends that declare none. ``pp_size`` sets the pipeline size the workers read
+    (every stage gets all of the archetype's layers: the key namespaces are what it changes)."""
     shape = get_archetype(archetype)
     if tp_size < 1:
         raise ValueError(f"tp_size must be positive, got {tp_size}")
     if dcp_size < 1 or tp_size % dcp_size:
         raise ValueError(f"dcp_size {dcp_size} must divide tp_size {tp_size}")
     vllm_config = VllmConfig(
-        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True, mamba_cache_mode="align"),
         kv_transfer_config=KVTransferConfig(
             kv_connector="MooncakeStoreConnector", kv_role="kv_both", kv_connector_extra_config=dict(extra_config)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     ChunkedTokenDatabase,
@@ -198,32 +199,17 @@ def build_token_databases(
         group_metadata = dataclasses.replace(
             metadata, group_id=group, tp_rank=plan.groups[group].ranks[tp_rank].shard
         )
+        where: dict[str, Any] = {
+            "tp_rank": tp_rank, "pcp_rank": pcp_rank, "pp_rank": pp_rank, "metadata": group_metadata,
+            "block_size": block_size, "hash_block_size": hash_block_size,
+        }
         layout: StoreLayout
         if plan.store_sharding is None:
-            layout = PlanStoreLayout(
-                plan,
-                group,
-                tp_rank=tp_rank,
-                pcp_rank=pcp_rank,
-                pp_rank=pp_rank,
-                metadata=group_metadata,
-                block_size=block_size,
-                hash_block_size=hash_block_size,
-            )
+            layout = PlanStoreLayout(plan, group, **where)
         else:
             if num_kv_heads is None:
                 raise ValueError("a TP-sharded store layout needs num_kv_heads")
-            layout = _SHARDED_LAYOUTS[plan.store_sharding.store_format](
-                plan,
-                group,
-                tp_rank=tp_rank,
-                pcp_rank=pcp_rank,
-                pp_rank=pp_rank,
-                metadata=group_metadata,
-                block_size=block_size,
-                hash_block_size=hash_block_size,
-                num_kv_heads=num_kv_heads,
-            )
+            layout = _SHARDED_LAYOUTS[plan.store_sharding.store_format](plan, group, num_kv_heads=num_kv_heads, **where)
         databases.append(
             ChunkedTokenDatabase(group_metadata, block_size, hash_block_size=hash_block_size, store_layout=layout)
         )

@@ -49,23 +49,31 @@ SELECTION_CASES = [
 ]
 
 
-def model_for(archetype: str, tp: int, extra: dict[str, Any], kv_layout: str) -> SimulatedModel:
-    return build_model(archetype, tp, model_name="org/store-tp", blocks_needed=8, extra_config=extra, kv_cache_layout=kv_layout)
+def model_for(archetype: str, tp: int, extra: dict[str, Any], kv_layout: str, pp: int = 1) -> SimulatedModel:
+    return build_model(
+        archetype, tp, model_name="org/store-tp", blocks_needed=8, extra_config=extra, kv_cache_layout=kv_layout,
+        pp_size=pp,
+    )
 
 
-def upstream_worker(model: SimulatedModel, tp_rank: int) -> MooncakeStoreWorker:
+def ranks(model: SimulatedModel, tp_rank: int, pp_rank: int) -> Ranks:
+    pp_size = model.vllm_config.parallel_config.pipeline_parallel_size
+    return Ranks(tp_rank=tp_rank, tp_size=model.tp_size, pp_rank=pp_rank, pp_size=pp_size)
+
+
+def upstream_worker(model: SimulatedModel, tp_rank: int, pp_rank: int = 0) -> MooncakeStoreWorker:
     worker = MooncakeStoreWorker.__new__(MooncakeStoreWorker)
     init_standalone(
-        worker, model.vllm_config, model.kv_cache_config, ranks=Ranks(tp_rank=tp_rank, tp_size=model.tp_size),
+        worker, model.vllm_config, model.kv_cache_config, ranks=ranks(model, tp_rank, pp_rank),
         store=NoPublishedDemotions(), model=model.name, total_num_kv_heads=model.total_num_kv_heads,
     )
     return worker
 
 
-def policy_worker(model: SimulatedModel, tp_rank: int, policy: str = "vllm-compat") -> KVPolicyStoreWorker:
+def policy_worker(model: SimulatedModel, tp_rank: int, policy: str = "vllm-compat", pp_rank: int = 0) -> KVPolicyStoreWorker:
     return KVPolicyStoreWorker.standalone(
         model.vllm_config, model.kv_cache_config, policy=load_policy(policy),
-        ranks=Ranks(tp_rank=tp_rank, tp_size=model.tp_size), store=NoPublishedDemotions(), model=model.name,
+        ranks=ranks(model, tp_rank, pp_rank), store=NoPublishedDemotions(), model=model.name,
         total_num_kv_heads=model.total_num_kv_heads, gather=lambda payload: [payload] * model.tp_size,
     )
 
@@ -113,6 +121,21 @@ def test_compat_keys_lookups_and_metadata_equal_upstream_on_every_rank(
         upstream, ours = upstream_worker(model, tp_rank), policy_worker(model, tp_rank)
         assert ours._group_tp_replication_factors == upstream._group_tp_replication_factors
         assert store_view(ours) == store_view(upstream)
+
+
+@pytest.mark.parametrize(
+    "archetype, tp, extra",
+    [("gqa-8kv", 2, {"store_tp_size": 4}), ("gqa-kv-lt-tp", 2, {"store_tp_size": 4}), ("mla", 2, {"store_tp_size": 2})],
+    ids=["sharded", "mqa", "rank-local-fallback"],
+)
+def test_compat_equals_upstream_on_every_tp_and_pp_rank_under_pipeline_parallelism(
+    archetype: str, tp: int, extra: dict[str, Any]
+) -> None:
+    model = model_for(archetype, tp, extra, "LBHNC", pp=2)
+    for pp_rank in range(2):
+        for tp_rank in range(tp):
+            upstream, ours = upstream_worker(model, tp_rank, pp_rank), policy_worker(model, tp_rank, pp_rank=pp_rank)
+            assert store_view(ours) == store_view(upstream)
 
 
 def test_the_equivalence_check_sees_a_store_shard_keyed_wrongly() -> None:
