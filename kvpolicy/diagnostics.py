@@ -76,7 +76,12 @@ class Diagnostic:
     def __post_init__(self) -> None:
         if self.code not in CHECKS_BY_CODE:
             raise ValueError(f"unknown diagnostic code {self.code!r}")
-        message = " ".join(self.message.split("\n"))
+        # One line whatever the input quoted: a newline becomes a space, any other character that is
+        # not printable (a record separator splits lines too) its escape.
+        message = "".join(
+            " " if character in "\r\n" else character if character.isprintable() else character.encode("unicode_escape").decode()
+            for character in self.message
+        )
         if len(message) > MAX_MESSAGE_CHARS:
             cut = len(message) - MAX_MESSAGE_CHARS
             message = f"{message[:MAX_MESSAGE_CHARS]}... ({cut} more characters)"

@@ -192,3 +192,11 @@ def test_audit_without_vllm_is_one_line_naming_what_to_install() -> None:
 def test_a_tp_size_of_zero_is_one_line_naming_the_flag() -> None:
     result = run_cli("plan", "--policy", "default", "--layout", "llama-3.1-70b", "--tp", "0")
     assert result.returncode == 1 and result.stdout == "error: --tp: Input should be greater than or equal to 1\n"
+
+
+@pytest.mark.parametrize("character", ["\x1e", "\x85", "\u2028", "\x0b", "\x0c", "\t", "\r\n"])
+def test_a_quoted_line_separator_keeps_every_diagnostic_on_one_line(character: str) -> None:
+    escaped = character.encode("unicode_escape").decode()
+    text = f'version: 1\nkind: "a{escaped}b"\nname: x\nrules: []\n'
+    problems = check_text(text, "p.yaml")[1]
+    assert problems and all(len(str(problem).splitlines()) == 1 for problem in problems)
