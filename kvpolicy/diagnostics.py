@@ -76,15 +76,19 @@ class Diagnostic:
     def __post_init__(self) -> None:
         if self.code not in CHECKS_BY_CODE:
             raise ValueError(f"unknown diagnostic code {self.code!r}")
+        # Cut before escaping, so a message quoting a megabyte costs no more than a short one.
+        cut = max(0, len(self.message) - MAX_MESSAGE_CHARS)
         # One line whatever the input quoted: a newline becomes a space, any other character that is
         # not printable (a record separator splits lines too) its escape.
         message = "".join(
             " " if character in "\r\n" else character if character.isprintable() else character.encode("unicode_escape").decode()
-            for character in self.message
+            for character in self.message[:MAX_MESSAGE_CHARS]
         )
-        if len(message) > MAX_MESSAGE_CHARS:
-            cut = len(message) - MAX_MESSAGE_CHARS
-            message = f"{message[:MAX_MESSAGE_CHARS]}... ({cut} more characters)"
+        if len(message) > MAX_MESSAGE_CHARS:  # escapes made it longer
+            cut += len(message) - MAX_MESSAGE_CHARS
+            message = message[:MAX_MESSAGE_CHARS]
+        if cut:
+            message = f"{message}... ({cut} more characters)"
         object.__setattr__(self, "message", message)
 
     def __str__(self) -> str:

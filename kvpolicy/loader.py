@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from kvpolicy import catalog
 from kvpolicy.diagnostics import CHECKS_BY_NAME, Diagnostic, DocumentError
 from kvpolicy.expressions import Expression, ExpressionError
-from kvpolicy.models import SPEC_VARIABLES, TOPOLOGY_VARIABLES, Layout, Policy
+from kvpolicy.models import SPEC_VARIABLES, Layout, Policy, expression_variables
 from kvpolicy.yamlsource import MAX_DOCUMENT_BYTES, Path, SourceMap, parse
 
 Document = Policy | Layout
@@ -372,7 +372,7 @@ def _warnings_for_raw(data: dict[str, Any], model: type[BaseModel], source: Sour
     if model is not Policy or not isinstance(data.get("rules"), list):
         return
     extra = data.get("spec_fields") if isinstance(data.get("spec_fields"), list) else []
-    known = _known_variables(tuple(str(name) for name in extra))
+    known = expression_variables(str(name) for name in extra)
     for index, rule in enumerate(data["rules"]):
         if not isinstance(rule, dict):
             continue
@@ -391,10 +391,6 @@ def _warnings_for_raw(data: dict[str, Any], model: type[BaseModel], source: Sour
 
 
 # --- checks that need the whole document ---------------------------------------------------------
-
-
-def _known_variables(spec_fields: tuple[str, ...]) -> frozenset[str]:
-    return frozenset(TOPOLOGY_VARIABLES) | frozenset(SPEC_VARIABLES) | catalog.SPEC_FIELDS | frozenset(spec_fields)
 
 
 def _semantic_checks(document: Document, source: SourceMap) -> Iterator[Diagnostic]:

@@ -202,6 +202,12 @@ LayerNames = Annotated[
 """Layer names or ``{a..b}`` patterns: one, or a list; none empty."""
 
 
+def expression_variables(spec_fields: Iterable[str] = ()) -> frozenset[str]:
+    """The names a policy's expressions may read: the topology, the spec's block and page size, every
+    field of vLLM's spec classes, and the policy's own ``spec_fields``."""
+    return frozenset(TOPOLOGY_VARIABLES) | frozenset(SPEC_VARIABLES) | SPEC_FIELDS | frozenset(spec_fields)
+
+
 def _located_error(check: str, location: tuple[str | int, ...], value: Any, error: ExpressionError) -> InitErrorDetails:
     """A validation error of ``check`` (a :data:`kvpolicy.diagnostics.CHECKS` name) at ``location``
     below the model raising it, ``column`` characters into the value."""
@@ -403,7 +409,7 @@ class Policy(StrictModel):
 
     @model_validator(mode="after")
     def _expressions_read_known_variables(self) -> Policy:
-        known = frozenset(TOPOLOGY_VARIABLES) | frozenset(SPEC_VARIABLES) | SPEC_FIELDS | frozenset(self.spec_fields)
+        known = expression_variables(self.spec_fields)
         errors: list[InitErrorDetails] = []
         for index, rule in enumerate(self.rules):
             for field in ("when", "factor", "shards"):

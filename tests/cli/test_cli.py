@@ -127,12 +127,18 @@ def test_plan_with_unknown_policy_name_suggests_the_shipped_one(capsys: pytest.C
     assert "did you mean 'default'?" in out
 
 
-def test_plan_refusal_is_an_error_line_naming_group_and_rule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    policy = tmp_path / "three.yaml"
+def always_three(directory: Path) -> Path:
+    """A policy whose one rule gives factor 3, which divides no TP size these tests use."""
+    policy = directory / "three.yaml"
     policy.write_text(
         "version: 1\nkind: ReplicationPolicy\nname: three\nrules:\n"
         "  - name: always-three\n    reason: wrong on purpose\n    factor: 3\n"
     )
+    return policy
+
+
+def test_plan_refusal_is_an_error_line_naming_group_and_rule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = always_three(tmp_path)
     code, out, _ = run(capsys, "plan", "--policy", str(policy), "--layout", "deepseek-v3", "--tp", "4")
     assert code == 1 and out.count("\n") == 1
     # Located at the expression (line 7, after "    factor: "), every layer alike said once.
@@ -141,11 +147,7 @@ def test_plan_refusal_is_an_error_line_naming_group_and_rule(tmp_path: Path, cap
 
 
 def test_plan_reports_every_failing_group_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    policy = tmp_path / "three.yaml"
-    policy.write_text(
-        "version: 1\nkind: ReplicationPolicy\nname: three\nrules:\n"
-        "  - name: always-three\n    reason: wrong on purpose\n    factor: 3\n"
-    )
+    policy = always_three(tmp_path)
     code, out, _ = run(capsys, "plan", "--policy", str(policy), "--layout", "kimi-linear-48b-a3b", "--tp", "4")
     assert code == 1 and [line.split(", layer")[0].split("error: ")[1] for line in out.splitlines()] == [
         "group 0 (kda-0)", "group 1 (kda-1)", "group 2 (kda-2)", "group 3 (mla)"
