@@ -167,9 +167,9 @@ def digest_part(args: argparse.Namespace) -> None:
         layout = load_layout(path)
         the_plan = make_plan(load_policy("default"), layout, Topology(tp_size=args.digest_tp))
         for index in audited_groups(the_plan):
-            group, spec_group = the_plan.groups[index], layout.groups[index]
+            group = the_plan.groups[index]
             layers = len(group.decisions)
-            block_size = spec_group.members[0].spec.block_size
+            block_size = group.block_size
             page = int(group.bytes_per_token_per_rank * block_size / layers)
             generator = torch.Generator().manual_seed(index)
             caches = {

@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from kvpolicy.models import Group, Layout, Spec, Topology, expand_layer_pattern
+from kvpolicy.expressions import Expression
+from kvpolicy.models import FieldExpression, Group, Layout, Spec, Topology, expand_layer_pattern
 
 MIN_RANGE_LENGTH = 3
 """Shortest run of numbered layer names written as one ``{a..b}`` range; shorter runs stay literal."""
@@ -137,15 +138,18 @@ def _group_data(group: Group) -> dict[str, Any]:
     return data
 
 
-def _spec_data(spec: Spec) -> dict[str, Any]:
-    source = spec.page_size_bytes.source
+def _expression_data(expression: Expression) -> int | str:
     # An integer stays an integer; any other expression keeps its exact text.
-    page_size_bytes: int | str = int(source) if re.fullmatch(r"0|[1-9][0-9]*", source) else source
+    source = expression.source
+    return int(source) if re.fullmatch(r"0|[1-9][0-9]*", source) else source
+
+
+def _spec_data(spec: Spec) -> dict[str, Any]:
     return {
         "type": spec.type,
         "bases": _plain(spec.bases),
-        "block_size": spec.block_size,
-        "page_size_bytes": page_size_bytes,
+        "block_size": _expression_data(spec.block_size),
+        "page_size_bytes": _expression_data(spec.page_size_bytes),
         "fields": _plain(spec.fields),
     }
 
@@ -153,6 +157,8 @@ def _spec_data(spec: Spec) -> dict[str, Any]:
 def _plain(value: Any) -> Any:
     """Mappings as dicts and tuples as lists (the safe dumper represents only YAML's own types); short
     lists of scalars on one line."""
+    if isinstance(value, FieldExpression):
+        return {"expr": value.expr.source}
     if isinstance(value, Mapping):
         return {key: _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):

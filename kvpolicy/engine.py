@@ -19,7 +19,19 @@ from kvpolicy.diagnostics import PlanError, PlanProblem
 from kvpolicy.expressions import ExpressionError, Value
 from kvpolicy.keys import KeyContext, fingerprint
 from kvpolicy.matcher import layers_matching, layers_reason, match_spec, match_when, spec_variables
-from kvpolicy.models import Group, LayerSpecs, Layout, Policy, Replication, Rule, Schedule, Spec, Topology, thawed
+from kvpolicy.models import (
+    Group,
+    LayerSpecs,
+    Layout,
+    Policy,
+    Replication,
+    Rule,
+    Schedule,
+    Spec,
+    SpecValues,
+    Topology,
+    thawed,
+)
 from kvpolicy.plan import GroupPlan, LayerDecision, Plan, RankAssignment, WriteSchedule
 from kvpolicy.store_layout import StoreSharding
 
@@ -40,6 +52,8 @@ class GroupDecision:
     """KV bytes one token occupies on one TP rank, summed over the group's layers."""
     signature: tuple[dict[str, object], ...]
     """Each member spec as the plan fingerprint covers it (JSON-able)."""
+    block_size: int
+    """Tokens per block of the group's specs at the topology."""
 
 
 def make_plan(
@@ -134,14 +148,18 @@ def _check_bounded(policy: Policy, layout: Layout, topology: Topology) -> None:
         )
 
 
-def _dcp_tokens(spec: Spec, topology: Topology) -> int:
+def _topology_label(topology: Topology) -> str:
+    return f"tp_size {topology.tp_size}, pp_size {topology.pp_size}, pcp_size {topology.pcp_size}, dcp_size {topology.dcp_size}"
+
+
+def _dcp_tokens(spec: SpecValues, topology: Topology) -> int:
     """Tokens of a chunk per token a rank's block holds: ``dcp_size`` for a DCP-sharded spec (vLLM's
     ``dcp_sharded``, true for attention specs by default), 1 otherwise."""
     sharded = spec.fields.get("dcp_sharded", _is_attention(spec))
     return topology.dcp_size if sharded is True else 1
 
 
-def _is_attention(spec: Spec) -> bool:
+def _is_attention(spec: Spec | SpecValues) -> bool:
     """An attention spec, by its stated bases or vLLM's known class hierarchy."""
     return "AttentionSpec" in spec.classes or bool(is_subclass(spec.type, "AttentionSpec"))
 
@@ -327,30 +345,34 @@ def _decide_group(
     per_rank_bytes = 0.0
     signature: list[dict[str, object]] = []
     failures: list[PlanProblem] = []
+    block_sizes: list[int] = []
     for member in group.members:
         try:
-            member_variables = spec_variables(member.spec, variables)
+            spec = member.spec.evaluate(variables)
         except ExpressionError as error:
-            raise PlanError(f"{label}: page_size_bytes of {member.spec.type}: {error.message}") from None
-        page_size = member_variables["page_size_bytes"]
-        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 0:
-            raise PlanError(f"{label}: page_size_bytes of {member.spec.type} is {page_size!r}, not a byte count")
-        per_rank_bytes += page_size * len(member.layers) / (member.spec.block_size * _dcp_tokens(member.spec, topology))
+            raise PlanError(f"{label}: {member.spec.type} at {_topology_label(topology)}: {error.message}") from None
+        block_sizes.append(spec.block_size)
+        per_rank_bytes += spec.page_size_bytes * len(member.layers) / (spec.block_size * _dcp_tokens(spec, topology))
         signature.append(
             {
-                "type": member.spec.type,
-                "block_size": member.spec.block_size,
-                "page_size_bytes": page_size,
-                "fields": thawed(member.spec.fields),
+                "type": spec.type,
+                "block_size": spec.block_size,
+                "page_size_bytes": spec.page_size_bytes,
+                "fields": thawed(spec.fields),
                 "layers": len(member.layers),
             }
         )
         try:
-            decisions.extend(_decide_member(policy, member, member_variables, topology, label))
+            decisions.extend(_decide_member(policy, member, spec, spec_variables(spec, variables), topology, label))
         except PlanError as error:
             failures.extend(error.problems)
     if failures:
         raise PlanError(failures)
+    if len(set(block_sizes)) > 1:
+        raise PlanError(
+            f"{label}: its specs have block sizes {', '.join(map(str, block_sizes))} at {_topology_label(topology)}; "
+            "the layers of one vLLM KV-cache group share one block size"
+        )
     head_factor = 1 if demoted else math.gcd(*(decision.factor for decision in decisions))
     return GroupDecision(
         layer_decisions=tuple(decisions),
@@ -358,6 +380,7 @@ def _decide_group(
         factor=_replica_set_size(head_factor, topology, decisions, label),
         bytes_per_token_per_rank=per_rank_bytes,
         signature=tuple(signature),
+        block_size=block_sizes[0],
     )
 
 
@@ -383,6 +406,7 @@ def _layers_label(layers: Sequence[str]) -> str:
 def _decide_member(
     policy: Policy,
     member: LayerSpecs,
+    spec: SpecValues,
     variables: Mapping[str, Value],
     topology: Topology,
     label: str,
@@ -394,7 +418,6 @@ def _decide_member(
     The layers still undecided share one history of rules passed over; work and memory are linear in
     rules plus layers (plus one glob match per layer and layer-matching rule).
     """
-    spec = member.spec
     pending: list[str] = list(member.layers)
     passed_over: list[tuple[str, str]] = []
     decided: dict[str, LayerDecision] = {}
@@ -436,7 +459,7 @@ def _decide_member(
         if policy.strict:
             raise PlanError(
                 f"{label}, {_layers_label(pending)}: no rule matches {spec.type} and the policy is strict; "
-                f"add a rule for {spec.type} (or one of {', '.join(spec.bases) or 'its bases'})"
+                f"add a rule for {spec.type} (or one of {', '.join(spec.classes[1:]) or 'its bases'})"
             )
         factor = topology.tp_size if policy.unmatched is Replication.REPLICATED else 1
         history = tuple(passed_over)
@@ -534,6 +557,7 @@ def _group_plan(
         bytes_per_token_per_rank=per_rank_bytes,
         written_bytes_per_token=shards * copies * per_rank_bytes,
         undeduplicated_bytes_per_token=tp_size * per_rank_bytes,
+        block_size=decision.block_size,
         demoted=demoted,
     )
 

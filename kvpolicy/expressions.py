@@ -40,7 +40,14 @@ _COMPARE: dict[type[ast.cmpop], Callable[[Value, Value], bool]] = {
     ast.Is: operator.is_,
     ast.IsNot: operator.is_not,
 }
-_FUNCTIONS: dict[str, Callable[..., int]] = {"min": min, "max": max}
+_FUNCTIONS: dict[str, Callable[[list[int]], int]] = {
+    "min": min,
+    "max": max,
+    "cdiv": lambda pair: -(-pair[0] // pair[1]),
+}
+"""Functions an expression may call; ``cdiv(a, b)`` is vLLM's ceiling division (``vllm.utils.math_utils``)."""
+_ARITY = {"cdiv": 2}
+"""Functions that take an exact number of arguments (the others take one or more)."""
 _OPERATOR_SPELLING = {
     ast.Div: "'/' (use '//' for integer division)",
     ast.Pow: "'**'",
@@ -102,6 +109,10 @@ class Expression:
 
     def evaluate(self, variables: Mapping[str, Value]) -> Value:
         return self._compiled(variables)
+
+    def __reduce__(self) -> tuple[type[Expression], tuple[str]]:
+        # The source is the whole value; the cached tree and closures are rebuilt where it is read.
+        return type(self), (self.source,)
 
 
 @lru_cache(maxsize=4096)
@@ -173,7 +184,9 @@ def _check_tree(node: ast.AST, depth: int) -> None:
                     column,
                 )
             if keywords or not args or any(isinstance(arg, ast.Starred) for arg in args):
-                raise ExpressionError(f"{func.id}() takes one or more positional arguments", column)
+                raise ExpressionError(f"{func.id}() takes {_arguments(func.id)}", column)
+            if func.id in _ARITY and len(args) != _ARITY[func.id]:
+                raise ExpressionError(f"{func.id}() takes {_arguments(func.id)}, got {len(args)}", column)
             for arg in args:
                 _check_tree(arg, depth + 1)
             return
@@ -297,7 +310,15 @@ def _compile_node(node: ast.AST) -> Compiled:
             return compare
         case ast.Call(func=ast.Name(id=name), args=args):
             function, arguments = _FUNCTIONS[name], [_integer(arg) for arg in args]
-            return lambda variables: function(argument(variables) for argument in arguments)
+            text = ast.unparse(node)
+
+            def call(variables: Mapping[str, Value]) -> Value:
+                values = [argument(variables) for argument in arguments]
+                if name == "cdiv" and values[1] == 0:
+                    raise ExpressionError(f"division by zero in '{text}'", column)
+                return function(values)
+
+            return call
     raise ExpressionError(f"{type(node).__name__} is not allowed", column)
 
 
@@ -314,6 +335,11 @@ def _variables(source: str) -> tuple[tuple[str, int], ...]:
 @lru_cache(maxsize=4096)
 def _compile_source(source: str) -> Compiled:
     return _compile(_parse(source))
+
+
+def _arguments(function: str) -> str:
+    count = _ARITY.get(function)
+    return f"{count} positional arguments" if count else "one or more positional arguments"
 
 
 def _describe(value: Value) -> str:

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvpolicy.expressions import ExpressionError, Value
-from kvpolicy.models import Rule, Spec, thawed
+from kvpolicy.models import Rule, SpecValues, thawed
 
 _MISSING = object()
 
@@ -23,18 +23,18 @@ class RuleMatch:
     """``matched``, or which condition of the rule the layer failed."""
 
 
-def spec_variables(spec: Spec, topology_variables: Mapping[str, Value]) -> dict[str, Value]:
-    """What expressions may read for ``spec``: the topology, then the spec's own fields."""
-    page_size = spec.page_size_bytes.evaluate(topology_variables)
+def spec_variables(spec: SpecValues, topology_variables: Mapping[str, Value]) -> dict[str, Value]:
+    """What expressions may read for ``spec`` (at the topology ``topology_variables`` describes): the
+    topology, then the spec's own fields, block size and page size."""
     return {
         **topology_variables,
         **spec.fields,
         "block_size": spec.block_size,
-        "page_size_bytes": page_size,
+        "page_size_bytes": spec.page_size_bytes,
     }
 
 
-def match_spec(rule: Rule, spec: Spec) -> RuleMatch:
+def match_spec(rule: Rule, spec: SpecValues) -> RuleMatch:
     """Match ``rule``'s spec-class and field conditions, which hold for every layer of ``spec`` alike."""
     match = rule.match
     if match.spec is not None and not set(match.spec) & set(spec.classes):
@@ -70,7 +70,7 @@ def _glob_pattern(globs: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile("|".join(f"(?:{fnmatch.translate(glob)})" for glob in globs))
 
 
-def match_when(rule: Rule, spec: Spec, variables: Mapping[str, Value]) -> RuleMatch:
+def match_when(rule: Rule, spec: SpecValues, variables: Mapping[str, Value]) -> RuleMatch:
     """Match ``rule``'s ``when``; raises :class:`ExpressionError` when it cannot be evaluated."""
     if rule.when is None:
         return RuleMatch(True, "matched")
@@ -85,7 +85,7 @@ def match_when(rule: Rule, spec: Spec, variables: Mapping[str, Value]) -> RuleMa
     return RuleMatch(True, "matched")
 
 
-def match_rule(rule: Rule, spec: Spec, layer: str, variables: Mapping[str, Value]) -> RuleMatch:
+def match_rule(rule: Rule, spec: SpecValues, layer: str, variables: Mapping[str, Value]) -> RuleMatch:
     """Match ``rule`` against one layer (spec and fields, layer globs, then ``when``)."""
     outcome = match_spec(rule, spec)
     if not outcome.matched:

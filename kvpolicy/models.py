@@ -9,6 +9,7 @@ sentence documents the code, the schema and the YAML.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import string
@@ -25,6 +26,7 @@ from pydantic import (
     Field,
     GetCoreSchemaHandler,
     PlainSerializer,
+    PlainValidator,
     PrivateAttr,
     ValidationError,
     ValidationInfo,
@@ -95,8 +97,8 @@ ExpressionText = Annotated[
 """An integer or an expression such as ``max(1, tp_size // total_num_kv_heads)``."""
 
 ScalarValue = int | bool | str | None
-FieldValue = ScalarValue | list[Any]
-"""A spec field's value as a document writes it; once loaded, its lists are tuples (:func:`deep_frozen`)."""
+MatchValue = ScalarValue | list[Any]
+"""A value a rule's ``match.fields`` compares with; once loaded, its lists are tuples (:func:`deep_frozen`)."""
 
 _Key = TypeVar("_Key")
 _Value_co = TypeVar("_Value_co", covariant=True)
@@ -163,7 +165,10 @@ def deep_frozen(value: Any) -> Any:
 
 
 def thawed(value: Any) -> Any:
-    """The inverse of :func:`deep_frozen`: mappings as dicts and tuples as lists, all the way down."""
+    """The inverse of :func:`deep_frozen`: mappings as dicts and tuples as lists, all the way down
+    (a :class:`FieldExpression` as the ``{expr: ...}`` mapping a document writes)."""
+    if isinstance(value, FieldExpression):
+        return {"expr": value.expr.source}
     if isinstance(value, Mapping):
         return {key: thawed(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -278,7 +283,7 @@ class Match(StrictModel):
 
     spec: NameOrNames | None = None
     """Spec class names (one, or a list); a spec matches when its class or any of its base classes is listed."""
-    fields: FrozenMapping[str, FieldValue] = Field(default_factory=FrozenMapping)
+    fields: FrozenMapping[str, MatchValue] = Field(default_factory=FrozenMapping)
     """Spec field values that must be equal; a list means any of its values."""
     layers: NameOrNames | None = None
     """Layer-name globs (fnmatch; one, or a list); a layer matches when any glob matches its name."""
@@ -492,6 +497,98 @@ def expand_layer_pattern(pattern: str) -> tuple[str, ...]:
     return tuple(name for index in range(low, high + 1) for name in expand_layer_pattern(f"{head}{index}{tail}"))
 
 
+class FieldExpression(StrictModel):
+    """A spec field whose value depends on the topology, written ``{expr: "32 // tp_size"}``."""
+
+    expr: ExpressionText
+    """Expression for the field's value on one TP rank; reads the topology variables, ``block_size``
+    and ``page_size_bytes``."""
+
+
+def _field_value(value: Any) -> Any:
+    """A spec field's value: a scalar, ``{expr: ...}``, or a list (whose ``{expr: ...}`` mappings
+    become expressions; other mappings in a list stay mappings, as a plugin's fields may hold them);
+    one clear error for anything else."""
+    if value is None or isinstance(value, (bool, int, str, FieldExpression)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(_list_item(item) for item in value)
+    if isinstance(value, Mapping):
+        if set(value) != {"expr"}:
+            keys = ", ".join(repr(key) for key in list(value)[:5])
+            raise ValueError(
+                f"a mapping as a field value must be {{expr: EXPRESSION}} (a value that depends on the topology), "
+                f"not one with keys {keys}"
+            )
+        expression = value["expr"]
+        if isinstance(expression, bool) or not isinstance(expression, (int, str)):
+            raise ValueError(f"'expr' must be an expression string, got {type(expression).__name__}")
+        return FieldExpression(expr=_parse_expression(expression))
+    raise ValueError(f"expected an integer, boolean, string, null, list or {{expr: ...}}, got {type(value).__name__}")
+
+
+def _list_item(item: Any) -> Any:
+    if isinstance(item, (list, tuple)):
+        return tuple(_list_item(inner) for inner in item)
+    if isinstance(item, Mapping) and set(item) == {"expr"}:
+        return _field_value(item)
+    return item
+
+
+FieldValue = Annotated[
+    Any,
+    PlainValidator(_field_value),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": ["integer", "boolean", "string", "null"]},
+                {"type": "array"},
+                {
+                    "type": "object",
+                    "properties": {"expr": {"anyOf": [{"type": "integer"}, {"type": "string"}]}},
+                    "required": ["expr"],
+                    "additionalProperties": False,
+                },
+            ]
+        }
+    ),
+]
+"""A spec field's value as a document writes it: a scalar, ``{expr: ...}``, or a list of these (and
+of lists); once loaded, its lists are tuples (:func:`deep_frozen`)."""
+
+_BLOCK_SIZE_READS = frozenset(TOPOLOGY_VARIABLES)
+_PAGE_SIZE_READS = _BLOCK_SIZE_READS | {"block_size"}
+_FIELD_READS = _BLOCK_SIZE_READS | frozenset(SPEC_VARIABLES)
+
+
+def _field_expressions(value: Any) -> Iterator[Expression]:
+    if isinstance(value, FieldExpression):
+        yield value.expr
+    elif isinstance(value, tuple):
+        for item in value:
+            yield from _field_expressions(item)
+
+
+def _evaluated_field(value: Any, variables: Mapping[str, Any]) -> Any:
+    if isinstance(value, FieldExpression):
+        return value.expr.evaluate(variables)
+    if isinstance(value, tuple):
+        return tuple(_evaluated_field(item, variables) for item in value)
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecValues:
+    """A :class:`Spec` at one topology: every expression evaluated to one rank's value."""
+
+    type: str
+    classes: tuple[str, ...]
+    """The class and its bases, most specific first."""
+    block_size: int
+    page_size_bytes: int
+    fields: FrozenMapping[str, Any]
+
+
 class Spec(StrictModel):
     """One KV-cache spec as vLLM reports it for a layer on one TP rank."""
 
@@ -499,22 +596,57 @@ class Spec(StrictModel):
     """Spec class name, e.g. ``MLAAttentionSpec``."""
     bases: tuple[str, ...] = ()
     """Base class names from the class's MRO, most specific first, without ``object``."""
-    block_size: int = Field(ge=1, strict=True)
-    """Tokens per block."""
+    block_size: ExpressionText
+    """Tokens per block: an integer, or an expression over the topology where the block size changes
+    with it (a hybrid model's, which vLLM aligns to one rank's state size)."""
     page_size_bytes: ExpressionText
-    """Bytes one block occupies on one TP rank: an integer or an expression over the topology."""
+    """Bytes one block occupies on one TP rank: an integer or an expression over the topology and
+    ``block_size``."""
     fields: FrozenMapping[str, FieldValue] = Field(default_factory=FrozenMapping)
-    """Other dataclass fields of the spec; none may be named like a topology variable, ``block_size``
-    or ``page_size_bytes``, which expressions read from elsewhere."""
+    """Other dataclass fields of the spec, one rank's values; ``{expr: ...}`` for one that depends on
+    the topology. None may be named like a topology variable, ``block_size`` or ``page_size_bytes``,
+    which expressions read from elsewhere."""
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size_reads_the_topology(cls, block_size: Expression) -> Expression:
+        _check_reads(block_size, _BLOCK_SIZE_READS)
+        if not block_size.names:
+            value = block_size.evaluate({})
+            if type(value) is not int or value < 1:
+                raise ValueError(f"must be a positive number of tokens, got '{block_size.source}' = {value!r}")
+        return block_size
 
     @field_validator("page_size_bytes")
     @classmethod
     def _page_size_reads_the_topology(cls, page_size: Expression) -> Expression:
-        try:
-            page_size.check_names(frozenset(TOPOLOGY_VARIABLES))
-        except ExpressionError as error:
-            raise ValueError(error.message) from error
+        _check_reads(page_size, _PAGE_SIZE_READS)
         return page_size
+
+    @field_validator("fields", mode="after")
+    @classmethod
+    def _field_expressions_read_the_topology(
+        cls, fields: FrozenMapping[str, FieldValue]
+    ) -> FrozenMapping[str, FieldValue]:
+        for value in fields.values():
+            for expression in _field_expressions(value):
+                _check_reads(expression, _FIELD_READS)
+        return fields
+
+    def evaluate(self, topology_variables: Mapping[str, Any]) -> SpecValues:
+        """This spec on one rank of the topology ``topology_variables`` describes. Raises
+        :class:`ExpressionError`, naming the attribute, when an expression fails or gives no size."""
+        block_size = _size("block_size", self.block_size, topology_variables, minimum=1)
+        variables = {**topology_variables, "block_size": block_size}
+        page_size = _size("page_size_bytes", self.page_size_bytes, variables, minimum=0)
+        variables["page_size_bytes"] = page_size
+        fields: dict[str, Any] = {}
+        for name, value in self.fields.items():
+            try:
+                fields[name] = _evaluated_field(value, variables)
+            except ExpressionError as error:
+                raise ExpressionError(f"field '{name}': {error.message}", error.column) from None
+        return SpecValues(self.type, self.classes, block_size, page_size, FrozenMapping(fields))
 
     @field_validator("fields")
     @classmethod
@@ -531,6 +663,26 @@ class Spec(StrictModel):
     def classes(self) -> tuple[str, ...]:
         """The class and its bases, most specific first."""
         return (self.type, *self.bases)
+
+
+def _check_reads(expression: Expression, known: frozenset[str]) -> None:
+    try:
+        expression.check_names(known)
+    except ExpressionError as error:
+        raise ValueError(error.message) from error
+
+
+def _size(name: str, expression: Expression, variables: Mapping[str, Any], *, minimum: int) -> int:
+    try:
+        value = expression.evaluate(variables)
+    except ExpressionError as error:
+        raise ExpressionError(f"{name}: {error.message}", error.column) from None
+    if type(value) is not int or value < minimum:
+        raise ExpressionError(
+            f"{name} '{expression.source}' is {value!r}, not "
+            + ("a positive number of tokens" if minimum else "a byte count")
+        )
+    return value
 
 
 class LayerSpecs(StrictModel):

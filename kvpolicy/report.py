@@ -45,7 +45,7 @@ def format_plan_table(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | No
     """
     topology = plan.topology
     statuses = _audit_statuses(plan, audit)
-    header = ("group", "spec", "rule", "factor", "shards", "writers", "written/token", "no dedup/token", "audit")
+    header = ("group", "spec", "block", "rule", "factor", "shards", "writers", "written/token", "no dedup/token", "audit")
     rows = [header]
     for group in plan.groups:
         rule = ", ".join(group.rules)
@@ -53,6 +53,7 @@ def format_plan_table(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | No
             (
                 f"{group.index} {group.name}",
                 "+".join(group.spec_types) if not group.uniform else "uniform{" + ",".join(group.spec_types) + "}",
+                str(group.block_size),
                 rule,
                 str(group.factor),
                 str(group.shards),
@@ -138,6 +139,7 @@ def plan_to_json(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = 
                 "origins": list(group.origins),
                 "demoted": group.demoted,
                 "audit": statuses[group.index],
+                "block_size": group.block_size,
                 "lookup_namespaces": list(group.lookup_namespaces),
                 "ranks": [
                     {

@@ -17,8 +17,8 @@ so that counts measured on a real Mooncake master can be checked against the pla
 * under vLLM's TP-sharded store layout a chunk is one object per store shard: written once each,
   and read by every rank for each of its ``store_tp_size // tp_size`` shards.
 
-Assumes an empty store, one request, and the groups' common block size (vLLM gives every group
-of a hybrid model the same one); refuses a layout whose groups differ.
+Assumes an empty store, one request, and the groups' common block size at the plan's topology
+(vLLM gives every group of a hybrid model the same one); refuses a layout whose groups differ.
 """
 
 from __future__ import annotations
@@ -74,13 +74,6 @@ class PromptTraffic:
         return sum(group.objects_read for group in self.groups)
 
 
-def _block_size(group: Group) -> int:
-    if group.spec is not None:
-        return group.spec.block_size
-    assert group.uniform is not None  # the model allows exactly one of spec / uniform
-    return group.uniform[0].spec.block_size
-
-
 def _stores(group: Group) -> Stores:
     specs = [group.spec] if group.spec is not None else [entry.spec for entry in group.uniform or ()]
     if any(BOUNDARY_STATE_SPEC in spec.classes for spec in specs):
@@ -98,7 +91,7 @@ def prompt_traffic(plan: Plan, layout: Layout, prompt_tokens: int) -> PromptTraf
         raise ValueError(f"prompt_tokens must not be negative, got {prompt_tokens}")
     if len(plan.groups) != len(layout.groups):
         raise ValueError(f"the plan has {len(plan.groups)} groups but the layout {len(layout.groups)}")
-    block_sizes = {_block_size(group) for group in layout.groups}
+    block_sizes = {group.block_size for group in plan.groups}
     if len(block_sizes) != 1:
         raise ValueError(
             f"the layout's groups have different block sizes ({', '.join(map(str, sorted(block_sizes)))}); "

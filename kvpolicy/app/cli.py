@@ -16,7 +16,7 @@ from typing import Any
 
 from kvpolicy import schema
 from kvpolicy.app.diagnostic_formats import FORMATS, FileResult, Selection, parse_codes, render
-from kvpolicy.diagnostics import DocumentError, PlanError
+from kvpolicy.diagnostics import DocumentError, PlanError, PlanProblem
 from kvpolicy.engine import make_plan
 from kvpolicy.keys import KeyContext
 from kvpolicy.loader import check_file, load_layout, load_policy, schemas_dir, shipped_policy_names
@@ -82,19 +82,23 @@ def _tp_sizes(text: str) -> tuple[int, ...]:
 
 
 def _topology(args: argparse.Namespace) -> Topology:
-    """The topology the flags give; a size vLLM would refuse is a ``ValueError`` of one line per problem."""
+    """The topology the flags give (each already a size argparse accepted); sizes vLLM would refuse
+    together are a :class:`PlanError` (KVP301), one problem per refusal, naming the flag."""
     from pydantic import ValidationError
 
     try:
         return Topology(tp_size=args.tp, pp_size=args.pp, pcp_size=args.pcp, dcp_size=args.dcp)
     except ValidationError as error:
         flags = {"tp_size": "--tp", "pp_size": "--pp", "pcp_size": "--pcp", "dcp_size": "--dcp"}
-        problems = [
-            f"{flags.get(str(problem['loc'][0]), '--tp/--pp/--pcp/--dcp') if problem['loc'] else '--dcp'}: "
-            f"{str(problem['msg']).removeprefix('Value error, ')}"
-            for problem in error.errors(include_url=False)
-        ]
-        raise ValueError("; ".join(problems)) from None
+        raise PlanError(
+            [
+                PlanProblem(
+                    f"{flags.get(str(problem['loc'][0]), '--tp/--pp/--pcp/--dcp') if problem['loc'] else '--dcp'}: "
+                    f"{str(problem['msg']).removeprefix('Value error, ')}"
+                )
+                for problem in error.errors(include_url=False)
+            ]
+        ) from None
 
 
 def _store_options(args: argparse.Namespace) -> dict[str, object]:
@@ -372,10 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=summary)
         command.add_argument("--policy", required=True, help="a shipped policy's name or a path")
         command.add_argument("--layout", required=True, help="an example layout's name or a path")
-        command.add_argument("--tp", type=int, required=True)
-        command.add_argument("--pp", type=int, default=1)
-        command.add_argument("--pcp", type=int, default=1)
-        command.add_argument("--dcp", type=int, default=1)
+        command.add_argument("--tp", type=_positive, required=True)
+        command.add_argument("--pp", type=_positive, default=1)
+        command.add_argument("--pcp", type=_positive, default=1)
+        command.add_argument("--dcp", type=_positive, default=1)
         store_tp = command.add_mutually_exclusive_group()
         store_tp.add_argument(
             "--store-tp", type=_positive, metavar="N", help="kv_connector_extra_config store_tp_size: share store shards across TP sizes"
@@ -424,13 +428,13 @@ def build_parser() -> argparse.ArgumentParser:
     target = audit.add_mutually_exclusive_group(required=True)
     target.add_argument("--archetype", help="a simulated archetype (kimi-linear, gqa-gdn, gqa-mamba, mla, ...)")
     target.add_argument("--layout", help="an example layout's name or a path")
-    audit.add_argument("--tp", type=int, required=True)
+    audit.add_argument("--tp", type=_positive, required=True)
     audit.add_argument("--tokens", type=int, default=256, help="prompt length")
     audit.add_argument("--format", choices=("text", "json"), default="text")
     audit.set_defaults(run=_audit)
 
     demo = commands.add_parser("demo", help="embedded Mooncake master, multi-rank simulation, vLLM cold/warm run")
-    demo.add_argument("--tp", type=int, default=4, help="TP size of the simulated hybrid instance")
+    demo.add_argument("--tp", type=_positive, default=4, help="TP size of the simulated hybrid instance")
     demo.add_argument("--no-engine", action="store_true", help="skip the vLLM engine run")
     demo.set_defaults(run=_demo)
     return parser

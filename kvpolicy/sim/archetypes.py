@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvpolicy.models import Layout
+from kvpolicy.models import Layout, Spec, SpecValues
 
 __all__ = [
     "HYBRIDS",
@@ -278,8 +278,8 @@ def _spec_value(value: Any, default: Any) -> Any:
     return value
 
 
-def _scaled_spec(spec: Any, *, head_size: int, num_kv_heads: int) -> KVCacheSpec:
-    """A per-rank spec of the layout's class, from its fields, at a scaled-down size."""
+def _scaled_spec(spec: SpecValues, *, head_size: int, num_kv_heads: int) -> KVCacheSpec:
+    """A per-rank spec of the layout's class, from its fields at one topology, at a scaled-down size."""
     cls = getattr(kv_cache_interface, spec.type, None)
     if not (isinstance(cls, type) and issubclass(cls, KVCacheSpec)):
         raise ValueError(f"{spec.type} is not a spec class of vllm.v1.kv_cache_interface")
@@ -304,9 +304,16 @@ def _scaled_spec(spec: Any, *, head_size: int, num_kv_heads: int) -> KVCacheSpec
     return cls(**kwargs)
 
 
-def _per_rank_spec(spec: Any, head_size: int, total_num_kv_heads: int, tp_size: int) -> KVCacheSpec:
-    """:func:`_scaled_spec` with the KV heads one of ``tp_size`` ranks holds (vLLM's QKVParallelLinear)."""
-    return _scaled_spec(spec, head_size=head_size, num_kv_heads=max(1, total_num_kv_heads // tp_size))
+def _rank_spec(
+    spec: Spec, head_size: int, total_num_kv_heads: int, num_kv_heads: int | None, tp_size: int
+) -> KVCacheSpec:
+    """:func:`_scaled_spec` of ``spec`` evaluated at ``tp_size``, with ``num_kv_heads`` heads or (None)
+    those one of ``tp_size`` ranks holds (vLLM's QKVParallelLinear)."""
+    values = spec.evaluate(
+        {"tp_size": tp_size, "pp_size": 1, "pcp_size": 1, "dcp_size": 1, "total_num_kv_heads": total_num_kv_heads}
+    )
+    heads = max(1, total_num_kv_heads // tp_size) if num_kv_heads is None else num_kv_heads
+    return _scaled_spec(values, head_size=head_size, num_kv_heads=heads)
 
 
 def _layer_order(name: str) -> tuple[Any, ...]:
@@ -342,11 +349,7 @@ def archetype_from_layout(
         group_name = group.name or f"group-{index}"
         for member_index, member in enumerate(group.members):
             kind = group_name if len(group.members) == 1 else f"{group_name}#{member_index}"
-            if num_kv_heads is None:
-                kinds[kind] = functools.partial(_per_rank_spec, member.spec, head_size, layout.total_num_kv_heads)
-            else:
-                built = _scaled_spec(member.spec, head_size=head_size, num_kv_heads=num_kv_heads)
-                kinds[kind] = lambda tp_size, built=built: built
+            kinds[kind] = functools.partial(_rank_spec, member.spec, head_size, layout.total_num_kv_heads, num_kv_heads)
             kept = member.layers if layers_per_group is None else member.layers[:layers_per_group]
             layers.extend((layer, kind) for layer in kept)
     return Archetype(

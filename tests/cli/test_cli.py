@@ -177,15 +177,31 @@ def test_vllm_config_refuses_an_invalid_policy(tmp_path: Path, capsys: pytest.Ca
     "flags, message",
     [
         (["--tp", "4", "--pcp", "2", "--dcp", "4"], "error: --dcp: with pcp_size 2, vLLM allows dcp_size 1, 2"),
-        (["--tp", "0"], "error: --tp: Input should be greater than or equal to 1"),
         (["--tp", "4", "--dcp", "3"], "error: --dcp: dcp_size 3 must divide tp_size 4"),
     ],
 )
-def test_a_topology_vllm_refuses_is_one_line_naming_the_flag(
+def test_a_topology_vllm_refuses_is_one_plan_refusal_naming_the_flag(
     capsys: pytest.CaptureFixture[str], flags: list[str], message: str
 ) -> None:
     code, out, _ = run(capsys, "plan", "--policy", "default", "--layout", "deepseek-v3", *flags)
-    assert code == 1 and out.startswith(message) and out.count("\n") == 1
+    assert (code, out.startswith(message), out.endswith(" [KVP301]\n"), out.count("\n")) == (1, True, True, 1)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [command, "--policy", "default", "--layout", "deepseek-v3", "--tp", "2", flag, "0"]
+        for command in ("plan", "explain")
+        for flag in ("--tp", "--pp", "--pcp", "--dcp")
+    ]
+    + [["audit", "--policy", "default", "--layout", "deepseek-v3", "--tp", "0"], ["demo", "--tp", "0"]],
+)
+def test_a_size_flag_below_one_is_a_usage_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    flag = argv[-2]
+    assert exited.value.code == 2
+    assert f"argument {flag}: expected a size between 1 and 4096, got 0" in capsys.readouterr().err
 
 
 def test_plan_under_dcp_writes_mla_once_per_dcp_rank(capsys: pytest.CaptureFixture[str]) -> None:
@@ -224,3 +240,27 @@ def test_store_tp_and_store_tp_lcm_together_are_a_usage_error(capsys: pytest.Cap
         main(["plan", "--policy", "default", "--layout", "llama-3.1-70b", "--tp", "2", "--store-tp", "4",
               "--store-tp-lcm", "2"])
     assert exit_info.value.code == 2 and "not allowed with argument --store-tp" in capsys.readouterr().err
+
+
+def readme_transcripts() -> list[tuple[str, str]]:
+    """Every ``$ kvpolicy plan ...`` transcript in the README's text blocks: (command, printed output)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    transcripts = []
+    for block in readme.split("```text\n")[1:]:
+        body = block.split("```", 1)[0]
+        if body.startswith("$ kvpolicy plan "):
+            command, _, output = body.partition("\n")
+            transcripts.append((command.removeprefix("$ kvpolicy "), output))
+    return transcripts
+
+
+@pytest.mark.parametrize(("command", "output"), readme_transcripts())
+def test_the_readme_plan_transcripts_are_what_the_cli_prints(
+    capsys: pytest.CaptureFixture[str], command: str, output: str
+) -> None:
+    code, out, _ = run(capsys, *command.split())
+    assert (code, out) == (0, output)
+
+
+def test_the_readme_has_a_plan_transcript() -> None:
+    assert readme_transcripts()

@@ -451,3 +451,19 @@ def test_junk_never_raises_anything_but_expression_error(source):
         Expression(source).evaluate({**TOPOLOGY, **FIELDS})
     except ExpressionError:
         pass
+
+
+@pytest.mark.parametrize(("source", "expected"), [("cdiv(7, 2)", 4), ("cdiv(8, 2)", 4), ("cdiv(0, 3)", 0), ("cdiv(1, 3)", 1)])
+def test_cdiv_is_ceiling_division(source: str, expected: int) -> None:
+    assert Expression(source).evaluate({}) == expected
+
+
+def test_cdiv_by_zero_is_an_expression_error() -> None:
+    with pytest.raises(ExpressionError, match="division by zero in 'cdiv"):
+        Expression("cdiv(tp_size, 0)").evaluate({"tp_size": 2})
+
+
+@pytest.mark.parametrize("source", ["cdiv(1)", "cdiv(1, 2, 3)"])
+def test_cdiv_takes_exactly_two_arguments(source: str) -> None:
+    with pytest.raises(ExpressionError, match=r"cdiv\(\) takes 2 positional arguments"):
+        Expression(source)

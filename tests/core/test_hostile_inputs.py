@@ -142,9 +142,14 @@ def test_a_quoted_boolean_is_not_a_boolean() -> None:
     assert error.message == "strict: expected true or false (not quoted)"
 
 
-def test_a_quoted_number_is_not_a_block_size() -> None:
-    error = only_error(check_text(LAYOUT.replace("block_size: 16", "block_size: '16'"), "l.yaml")[1])
-    assert (error.line, error.message) == (8, "block_size: expected a whole number (not quoted)")
+def test_a_block_size_below_one_is_refused_where_it_stands() -> None:
+    error = only_error(check_text(LAYOUT.replace("block_size: 16", "block_size: '16 - 16'"), "l.yaml")[1])
+    assert (error.line, error.message) == (8, "block_size: must be a positive number of tokens, got '16 - 16' = 0")
+
+
+def test_a_block_size_reads_only_the_topology() -> None:
+    error = only_error(check_text(LAYOUT.replace("block_size: 16", "block_size: 'page_size_bytes // 2'"), "l.yaml")[1])
+    assert error.line == 8 and "unknown variable 'page_size_bytes'" in error.message
 
 
 @pytest.mark.parametrize("name", ["total_num_kv_heads", "tp_size", "block_size", "page_size_bytes"])
@@ -189,9 +194,12 @@ def test_audit_without_vllm_is_one_line_naming_what_to_install() -> None:
     assert result.stdout.count("\n") == 1 and result.stdout.startswith("error: audit needs vllm")
 
 
-def test_a_tp_size_of_zero_is_one_line_naming_the_flag() -> None:
+def test_a_tp_size_of_zero_is_a_usage_error_naming_the_flag() -> None:
     result = run_cli("plan", "--policy", "default", "--layout", "llama-3.1-70b", "--tp", "0")
-    assert result.returncode == 1 and result.stdout == "error: --tp: Input should be greater than or equal to 1\n"
+    last = result.stderr.splitlines()[-1]
+    assert (result.returncode, result.stdout, last) == (
+        2, "", "kvpolicy plan: error: argument --tp: expected a size between 1 and 4096, got 0"
+    )
 
 
 @pytest.mark.parametrize("character", ["\x1e", "\x85", "\u2028", "\x0b", "\x0c", "\t", "\r\n"])

@@ -98,3 +98,18 @@ def test_a_layer_in_two_groups_is_refused_by_the_model_itself() -> None:
     }
     with pytest.raises(ValidationError, match="layer 'l0' is already in group 0"):
         KINDS["ModelLayout"].model_validate(data)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        '{expr: "max(1, 8 // tp_size)"}', "{expr: 8}", "{expr: true}", "{expr: null}", '{expr: "tp_sise"}',
+        '{expr: "tp_size", other: 1}', "{}", '[{expr: "tp_size"}, 2]', "[{a: 1}]", '[[{expr: "head_size"}]]',
+        '{expr: "block_size * 2"}', '{expr: "1 +"}',
+    ],
+)
+def test_field_expressions_are_judged_alike_by_validate_the_models_and_the_schema(value: str) -> None:
+    text = (Path(__file__).resolve().parents[2] / "examples" / "layouts" / "llama-3.1-70b.yaml").read_text(encoding="utf-8")
+    line = '        num_kv_heads: {expr: "max(1, 8 // tp_size)"}   # per rank'
+    assert line in text
+    agree(text.replace(line, f"        num_kv_heads: {value}", 1))

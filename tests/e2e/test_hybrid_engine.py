@@ -257,7 +257,7 @@ def test_captured_layout_is_valid_and_has_the_hybrid_block_size(arch: str, defau
     document, problems = check_file(default_runs.cold.layout)
     assert problems == [], problems
     assert document is not None
-    block_sizes = {group.spec.block_size for group in document.groups if group.spec is not None}
+    block_sizes = {group.spec.block_size.evaluate({}) for group in document.groups if group.spec is not None}
     assert block_sizes == {BLOCK_SIZE[arch]}
 
 

@@ -92,7 +92,7 @@ def test_hybrid_page_sizes_match_the_spec_formulas() -> None:
 
 
 def test_hybrid_groups_carry_block_size_and_layers() -> None:
-    assert [(group.spec.block_size, group.layers) for group in hybrid().groups] == [
+    assert [(group.spec.block_size.evaluate({}), group.layers) for group in hybrid().groups] == [
         (BLOCK, ("l.0.attn", "l.3.attn")),
         (BLOCK, ("l.1.attn",)),
         (BLOCK, ("l.2.mixer",)),
