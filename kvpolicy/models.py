@@ -37,7 +37,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError, core_schema
 
 from kvpolicy.catalog import SPEC_FIELDS, is_subclass
-from kvpolicy.expressions import Expression, ExpressionError
+from kvpolicy.expressions import MAX_INT, Expression, ExpressionError
 
 TOPOLOGY_VARIABLES = ("tp_size", "pp_size", "pcp_size", "dcp_size", "total_num_kv_heads")
 """Variables every expression may read, besides the fields of the spec being matched."""
@@ -176,7 +176,21 @@ def thawed(value: Any) -> Any:
     return value
 
 
+def _bounded_integers(value: Any) -> None:
+    """Refuse an integer beyond 63 bits anywhere in ``value``, as the YAML reader does: a document the
+    models accept must read back from the text it dumps to."""
+    if type(value) is int and abs(value) > MAX_INT:
+        raise ValueError(f"an integer of {value.bit_length()} bits is too large; integers are at most 2**63 - 1")
+    if isinstance(value, Mapping):
+        for item in value.values():
+            _bounded_integers(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _bounded_integers(item)
+
+
 def _validated_frozen(items: dict[Any, Any]) -> FrozenMapping[Any, Any]:
+    _bounded_integers(items)
     frozen: FrozenMapping[Any, Any] = FrozenMapping(items)
     try:
         hash(frozen)
@@ -754,7 +768,7 @@ class Layout(StrictModel):
     """What is special about this model's cache."""
     source: FrozenMapping[str, Any] = Field(default_factory=FrozenMapping)
     """Config fields this layout was derived from, and their values."""
-    total_num_kv_heads: int = Field(ge=0, strict=True)
+    total_num_kv_heads: int = Field(ge=0, le=MAX_INT, strict=True)
     """Model-wide number of KV heads (vLLM's ``model_config.get_total_num_kv_heads()``); 0 for an
     attention-free model (``mamba``, ``mamba2``, ``falcon_mamba``), which then has no attention group."""
     kv_cache_layout: KVCacheLayoutName | None = None

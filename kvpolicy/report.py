@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpolicy.audit import AuditStatus, initial_statuses
+from kvpolicy.contract import KeyContract
 from kvpolicy.plan import GroupPlan, LayerDecision, Plan
 from kvpolicy.traffic import PromptTraffic
 
@@ -202,3 +203,30 @@ def traffic_to_json(traffic: PromptTraffic) -> dict[str, Any]:
             for group in traffic.groups
         ],
     }
+
+
+def format_key_contract(contract: KeyContract) -> str:
+    """The key contract for people: per group its lookup prefixes, then each worker's prefixes and the
+    chunks it writes."""
+    topology = contract.topology
+    lines = [
+        f"keys: policy {contract.policy}, model {contract.model}, tp={topology.tp_size} pp={topology.pp_size} "
+        f"pcp={topology.pcp_size} dcp={topology.dcp_size}, fingerprint {contract.fingerprint}, "
+        f"key version {contract.key_version}",
+        f"chunk key: {contract.chunk_key.format} ({contract.chunk_key.chunk_hash})",
+    ]
+    for group in contract.groups:
+        demoted = ", demoted" if group.demoted else ""
+        lines.append(
+            f"group {group.index} {group.name}: {group.stores}, block {group.block_size}, factor {group.factor}{demoted}"
+        )
+        lines.append("  lookup needs: " + ", ".join(group.lookup_prefixes))
+        for rank in group.ranks:
+            writes = rank.writes
+            chunks = "nothing" if not writes.active else "every chunk" if writes.step == 1 else (
+                f"chunks c with c % {writes.step} == {writes.phase}"
+            )
+            lines.append(
+                f"  tp {rank.tp_rank} pcp {rank.pcp_rank} pp {rank.pp_rank}: {', '.join(rank.prefixes)} (writes {chunks})"
+            )
+    return "\n".join(lines)

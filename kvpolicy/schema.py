@@ -1,4 +1,5 @@
-"""JSON Schemas of the two documents, generated from the models so they cannot drift."""
+"""JSON Schemas of the documents kvpolicy reads (policies, layouts) and writes (key contracts),
+generated from the models so they cannot drift."""
 
 from __future__ import annotations
 
@@ -6,20 +7,24 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
+from kvpolicy.contract import KeyContract
 from kvpolicy.models import Layout, Policy
 
-SCHEMA_FILES: dict[str, type[Policy] | type[Layout]] = {
+SCHEMA_FILES: dict[str, type[BaseModel]] = {
     "policy.schema.json": Policy,
     "layout.schema.json": Layout,
+    "keys.schema.json": KeyContract,
 }
 
 
-def json_schema(model: type[Policy] | type[Layout]) -> dict[str, Any]:
+def json_schema(model: type[BaseModel]) -> dict[str, Any]:
     schema = model.model_json_schema()
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
 
 
-def render(model: type[Policy] | type[Layout]) -> str:
+def render(model: type[BaseModel]) -> str:
     return json.dumps(json_schema(model), indent=2, sort_keys=False) + "\n"
 
 

@@ -74,7 +74,8 @@ class PromptTraffic:
         return sum(group.objects_read for group in self.groups)
 
 
-def _stores(group: Group) -> Stores:
+def group_stores(group: Group) -> Stores:
+    """What the store keeps of ``group`` for one prompt: every chunk, or only its boundary state."""
     specs = [group.spec] if group.spec is not None else [entry.spec for entry in group.uniform or ()]
     if any(BOUNDARY_STATE_SPEC in spec.classes for spec in specs):
         return Stores.BOUNDARY_STATE
@@ -104,7 +105,7 @@ def prompt_traffic(plan: Plan, layout: Layout, prompt_tokens: int) -> PromptTraf
     readers = topology.tp_size * topology.pcp_size * topology.pp_size
     groups = []
     for group_plan, group in zip(plan.groups, layout.groups, strict=True):
-        stores = _stores(group)
+        stores = group_stores(group)
         namespaces = len(group_plan.lookup_namespaces)
         objects_per_rank = len(group_plan.ranks[0].key_shards)
         if stores is Stores.BOUNDARY_STATE:

@@ -14,6 +14,7 @@ import yaml
 from yaml.constructor import SafeConstructor
 
 from kvpolicy.diagnostics import Diagnostic
+from kvpolicy.expressions import MAX_INT
 
 Path = tuple[str | int, ...]
 MAX_DOCUMENT_BYTES = 1024 * 1024
@@ -21,6 +22,10 @@ MAX_DOCUMENT_BYTES = 1024 * 1024
 MAX_NODES = 100_000
 """YAML nodes (keys, values, alias uses) one document may build."""
 _STR_TAG = "tag:yaml.org,2002:str"
+_INT_TAG = "tag:yaml.org,2002:int"
+MAX_INTEGER = MAX_INT
+"""Largest integer a document may hold (in magnitude), the models' and expressions' bound too; no
+field needs more, and a bound keeps every later step (messages, arithmetic) cheap."""
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the C parser keeps line/column marks too
 
 
@@ -114,17 +119,25 @@ class _Builder:
     def _scalar(self, node: yaml.Node, *, deep: bool) -> Any:
         if node.tag == _STR_TAG:
             return node.value  # most scalars; what SafeConstructor would return, without its dispatch
+        # Refused before it is read: PyYAML would spend quadratic time on a decimal literal of
+        # megabytes, and Python cannot even print one of more than 4300 digits.
+        if node.tag == _INT_TAG and len(node.value) > 80:
+            raise _IntegerTooLarge(node, f"an integer literal of {len(node.value)} characters")
         try:
             construct = self.constructor.yaml_constructors.get(node.tag)
             if construct is not None:  # the common case, without construct_object's recursion bookkeeping
-                return construct(self.constructor, node)
-            return self.constructor.construct_object(node, deep=deep)
+                value = construct(self.constructor, node)
+            else:
+                value = self.constructor.construct_object(node, deep=deep)
         except (KeyError, AttributeError, IndexError) as error:
             # PyYAML's constructors raise these for explicitly tagged scalars they cannot read
             # (`!!bool "maybe"`, `!!timestamp "x"`); report them like its own constructor errors.
             raise yaml.constructor.ConstructorError(
                 None, None, f"cannot read {node.value!r} as {node.tag}", node.start_mark
             ) from error
+        if type(value) is int and abs(value) > MAX_INTEGER:
+            raise _IntegerTooLarge(node, f"an integer of {value.bit_length()} bits")
+        return value
 
     def _scalar_key(self, node: yaml.Node) -> Any:
         if not isinstance(node, yaml.ScalarNode):
@@ -145,6 +158,12 @@ class _Builder:
 
 class _TooLarge(Exception):
     pass
+
+
+class _IntegerTooLarge(Exception):
+    def __init__(self, node: yaml.Node, what: str) -> None:
+        super().__init__(what)
+        self.node, self.what = node, what
 
 
 def _position(node: yaml.Node) -> Position:
@@ -197,6 +216,10 @@ def parse(text: str, path: str) -> tuple[Any, SourceMap, list[Diagnostic]]:
         value = builder.build(nodes[0], ())
     except _TooLarge:
         return None, source, [Diagnostic(path, 1, 1, "error", f"document has more than {MAX_NODES} nodes", "KVP003")]
+    except _IntegerTooLarge as error:
+        line, column = _position(error.node)[:2]
+        message = f"{error.what} is too large; integers are at most 2**63 - 1 ({MAX_INTEGER})"
+        return None, source, [Diagnostic(path, line, column, "error", message, "KVP003")]
     except (yaml.YAMLError, RecursionError, ValueError, TypeError) as error:
         mark = getattr(error, "problem_mark", None)
         line, column = (mark.line + 1, mark.column + 1) if mark else (1, 1)

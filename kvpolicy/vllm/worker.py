@@ -27,6 +27,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvpolicy.audit import AuditState, AuditStatus, ReplicationAuditError, StepOutcome
+from kvpolicy.contract import key_contract
 from kvpolicy.dumper import dump_layout
 from kvpolicy.engine import make_plan
 from kvpolicy.keys import KeyContext, model_basename
@@ -46,6 +47,11 @@ logger = init_logger(f"vllm.{__name__}")
 PLAN_JSON_KEY = "kvpolicy_plan_json"
 """``kv_connector_extra_config`` key naming a file rank 0 writes the plan to, as JSON (rewritten
 after every audited step that changes a group's audit status)."""
+KEYS_JSON_KEY = "kvpolicy_keys_json"
+"""``kv_connector_extra_config`` key naming a file rank 0 writes the key contract to
+(:mod:`kvpolicy.contract`, what ``kvpolicy keys --format json`` prints), at start-up and whenever the
+audit changes the plan. Without it, an instance given ``kvpolicy_plan_json`` writes the contract next
+to the plan, as ``<plan file stem>.keys.json``."""
 LAYOUT_OUT_KEY = "kvpolicy_layout_out"
 """``kv_connector_extra_config`` key naming a file rank 0 writes, at start-up, the layout it planned
 (the ``ModelLayout`` of its ``KVCacheConfig``), for ``kvpolicy validate`` / ``plan --layout``."""
@@ -159,6 +165,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._gate_logged = False
         self._block_reader: online_audit.BlockReader | None = None
         self._plan_json_path: Path | None = None
+        self._keys_json_path: Path | None = None
 
     @property
     def plan(self) -> Plan | None:
@@ -366,12 +373,24 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         logger.info(
             "kvpolicy plan (policy %s):\n%s", self._policy.name, format_plan_table(plan, audit=self._statuses())
         )
+        keys_path = vllm_config.kv_transfer_config.kv_connector_extra_config.get(KEYS_JSON_KEY)
         if json_path:
             self._plan_json_path = Path(str(json_path))
-            self._write_plan_json()
-            logger.info("kvpolicy plan written to %s", self._plan_json_path)
+        if keys_path or json_path:
+            self._keys_json_path = (
+                Path(str(keys_path)) if keys_path else Path(str(json_path)).with_suffix("").with_suffix(".keys.json")
+            )
+        self._write_plan_json()
+        for what, path in (("plan", self._plan_json_path), ("key contract", self._keys_json_path)):
+            if path is not None:
+                logger.info("kvpolicy %s written to %s", what, path)
 
     def _write_plan_json(self) -> None:
+        """Rewrite the plan file and the key contract (where configured) for the plan now run."""
+        if self._keys_json_path is not None:
+            assert self._layout is not None  # planned from it
+            contract = key_contract(self._require_plan(), self._layout)
+            write_text_atomically(self._keys_json_path, json.dumps(contract.model_dump(mode="json"), indent=2) + "\n")
         if self._plan_json_path is None:
             return
         payload = plan_to_json(self._require_plan(), audit=self._statuses())

@@ -264,3 +264,36 @@ def test_the_readme_plan_transcripts_are_what_the_cli_prints(
 
 def test_the_readme_has_a_plan_transcript() -> None:
     assert readme_transcripts()
+
+
+def test_keys_prints_a_contract_valid_against_its_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    import jsonschema
+
+    code, out, _ = run(capsys, "keys", "--policy", "default", "--layout", "kimi-linear-48b-a3b", "--tp", "4",
+                       "--cache-prefix", "tenant-a", "--format", "json")
+    contract = json.loads(out)
+    schema = json.loads((REPO / "schemas" / "keys.schema.json").read_text(encoding="utf-8"))
+    jsonschema.Draft202012Validator(schema).validate(contract)
+    assert (code, contract["cache_prefix"], [g["stores"] for g in contract["groups"]]) == (
+        0, "tenant-a", ["boundary-state"] * 3 + ["chunks"]
+    )
+    assert all(prefix.startswith("tenant-a@") for g in contract["groups"] for prefix in g["lookup_prefixes"])
+
+
+def test_keys_text_names_the_fingerprint_and_each_ranks_writes(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "keys", "--policy", "default", "--layout", "deepseek-v3", "--tp", "2")
+    plan_code, plan_out, _ = run(capsys, "plan", "--policy", "default", "--layout", "deepseek-v3", "--tp", "2", "--format", "json")
+    fingerprint = json.loads(plan_out)["fingerprint"]
+    lines = out.splitlines()
+    assert (code, plan_code) == (0, 0)
+    assert lines[0].endswith(f"fingerprint {fingerprint}, key version 1")
+    assert [line.split(" (writes ")[1] for line in lines if " (writes " in line] == [
+        "chunks c with c % 2 == 0)", "chunks c with c % 2 == 1)"
+    ]
+
+
+def test_keys_of_a_broken_layout_is_a_located_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    broken = tmp_path / "l.yaml"
+    broken.write_text("version: 1\nkind: ModelLayout\nmodel: m\ntotal_num_kv_heads: 1\ngroups: []\n")
+    code, out, _ = run(capsys, "keys", "--policy", "default", "--layout", str(broken), "--tp", "2")
+    assert code == 1 and out.startswith(f"{broken}:5:") and out.rstrip().endswith("]")

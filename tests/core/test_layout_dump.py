@@ -16,6 +16,7 @@ from test_engine_properties import layouts as engine_layouts
 
 from kvpolicy.dumper import compress_layer_names, dump_layout
 from kvpolicy.loader import check_file, check_text, load_layout
+from kvpolicy.expressions import MAX_INT
 from kvpolicy.models import RESERVED_FIELD_NAMES, Layout, Topology, expand_layer_pattern
 
 REPO = Path(__file__).resolve().parents[2]
@@ -230,12 +231,14 @@ def test_a_layer_name_the_loader_would_expand_is_refused() -> None:
 
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=8)
 STRINGS = st.one_of(TEXT, st.sampled_from(TRICKY_STRINGS))
+INTEGERS = st.integers(-MAX_INT, MAX_INT)
+"""Integers a document may hold (the models and the YAML reader refuse larger ones alike)."""
 LIST_ITEMS = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), STRINGS),
+    st.one_of(st.none(), st.booleans(), INTEGERS, st.floats(allow_nan=False), STRINGS),
     lambda children: st.lists(children, max_size=3),
     max_leaves=6,
 )
-FIELD_VALUES = st.one_of(st.none(), st.booleans(), st.integers(), STRINGS, st.lists(LIST_ITEMS, max_size=4))
+FIELD_VALUES = st.one_of(st.none(), st.booleans(), INTEGERS, STRINGS, st.lists(LIST_ITEMS, max_size=4))
 
 
 @st.composite

@@ -113,3 +113,16 @@ def test_field_expressions_are_judged_alike_by_validate_the_models_and_the_schem
     line = '        num_kv_heads: {expr: "max(1, 8 // tp_size)"}   # per rank'
     assert line in text
     agree(text.replace(line, f"        num_kv_heads: {value}", 1))
+
+
+@pytest.mark.parametrize("value", ["9223372036854775808", "[1, [-9223372036854775809]]"])
+def test_an_integer_beyond_63_bits_is_refused_by_the_models_as_by_the_reader(value: str) -> None:
+    text = (Path(__file__).resolve().parents[2] / "examples" / "layouts" / "llama-3.1-70b.yaml").read_text(encoding="utf-8")
+    line = "        head_size: 128\n"
+    assert line in text
+    changed = text.replace(line, f"        head_size: {value}\n", 1)
+    data, _, _ = parse(text, "doc.yaml")
+    data["groups"][0]["spec"]["fields"]["head_size"] = json.loads(value)
+    with pytest.raises(ValidationError, match="integers are at most 2"):
+        KINDS["ModelLayout"].model_validate(data)
+    assert [problem.code for problem in check_text(changed, "doc.yaml")[1]] == ["KVP003"]

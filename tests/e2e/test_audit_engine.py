@@ -32,7 +32,7 @@ from conftest import require, unavailable
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 if importlib.util.find_spec("vllm") is None:
-    unavailable("vllm is not installed (pip install 'kvpolicy[vllm]')")
+    unavailable("vllm is not installed (pip install 'kvpolicy[vllm]' on GPUs, 'kvpolicy[cpu]' on CPUs)")
 require("mooncake.store")
 
 from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402

@@ -43,7 +43,7 @@ from conftest import require, unavailable
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 if importlib.util.find_spec("vllm") is None:
-    unavailable("vllm is not installed (pip install 'kvpolicy[vllm]')")
+    unavailable("vllm is not installed (pip install 'kvpolicy[vllm]' on GPUs, 'kvpolicy[cpu]' on CPUs)")
 require("mooncake.store")
 
 from kvpolicy.app.cli import main as kvpolicy_main  # noqa: E402
@@ -86,6 +86,8 @@ class Served:
     """The plan JSON rank 0 wrote (``kvpolicy_plan_json``), as it stood when the engine exited."""
     layout: Path
     """Where the connector captured the layout (``kvpolicy_layout_out``)."""
+    keys: dict
+    """The key contract rank 0 wrote next to the plan (``plan.keys.json``)."""
 
     @property
     def output(self) -> str:
@@ -170,7 +172,12 @@ class Engines:
         )
         assert len(result.tokens) == MAX_TOKENS, f"{arch} {label} failed its request:\n{result.stdout[-4000:]}"
         assert result.saves_drained, f"{arch} {label} exited before its puts finished"
-        return Served(result, json.loads((run_dir / "plan.json").read_text()), run_dir / "layout.yaml")
+        return Served(
+            result,
+            json.loads((run_dir / "plan.json").read_text()),
+            run_dir / "layout.yaml",
+            json.loads((run_dir / "plan.keys.json").read_text()),
+        )
 
     def cold_and_warm(
         self, arch: str, kv_heads: int, policy: str | os.PathLike[str], *, label: str, prefix: str
@@ -267,6 +274,16 @@ def test_offline_plan_of_the_captured_layout_is_the_plan_the_engine_ran(arch: st
     assert offline["fingerprint"] == engine["fingerprint"]
     assert [g["factor"] for g in offline["groups"]] == [g["factor"] for g in engine["groups"]]
     assert [g["lookup_namespaces"] for g in offline["groups"]] == [g["lookup_namespaces"] for g in engine["groups"]]
+
+
+def test_the_key_contract_the_engine_wrote_is_what_kvpolicy_keys_predicts(default_runs: ColdWarm) -> None:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = kvpolicy_main(
+            ["keys", "--policy", "default", "--layout", str(default_runs.cold.layout), "--tp", str(TP_SIZE), "--format", "json"]
+        )
+    assert code == 0, out.getvalue()
+    assert json.loads(out.getvalue()) == default_runs.cold.keys
 
 
 def test_master_counts_equal_the_offline_plan_prediction(arch: str, default_runs: ColdWarm) -> None:

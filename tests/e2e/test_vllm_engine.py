@@ -23,10 +23,13 @@ from conftest import require, unavailable
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 if importlib.util.find_spec("vllm") is None:
-    unavailable("vllm is not installed (pip install 'kvpolicy[vllm]')")
+    unavailable("vllm is not installed (pip install 'kvpolicy[vllm]' on GPUs, 'kvpolicy[cpu]' on CPUs)")
 require("mooncake.store")
 
+from kvpolicy.contract import KeyContract  # noqa: E402
+from kvpolicy.keys import chunk_key  # noqa: E402
 from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402
+from kvpolicy.mooncake.client import store_client  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.vllm.e2e import (  # noqa: E402
     DEFAULT_BLOCK_SIZE,
@@ -35,6 +38,7 @@ from kvpolicy.vllm.e2e import (  # noqa: E402
     fixed_prompt,
     serve_once,
 )
+from kvpolicy.sim.scheduler import block_hashes  # noqa: E402
 from kvpolicy.vllm.tinymodel import make_tiny_llama  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,13 +149,32 @@ def test_tp1_fresh_engine_hits_and_matches(store: Store, models) -> None:
     assert warm_traffic.objects_read == FULL_CHUNKS * NUM_GROUPS
 
 
-def test_tp2_one_kv_head_writes_each_chunk_once(store: Store, models) -> None:
+def predicted_chunk_keys(contract: KeyContract) -> list[str]:
+    """The store keys the contract says a cold engine writes for PROMPT: every full chunk of every
+    group, once per lookup namespace, keyed by vLLM's own block hashes of the prompt."""
+    hashes = block_hashes(PROMPT, BLOCK_SIZE)
+    return [
+        chunk_key(prefix, hashes[chunk].hex())
+        for group in contract.groups
+        for prefix in group.lookup_prefixes
+        for chunk in range(FULL_CHUNKS)
+    ]
+
+
+def test_tp2_one_kv_head_writes_each_chunk_once(store: Store, models, tmp_path: Path) -> None:
     # One KV head at TP=2: both ranks hold identical bytes (factor 2), so the pair writes each chunk
     # once, striped over the ranks, and each rank reads all of them back from the shared namespace.
     model = models("tiny-llama-tp2-kv1", kv_heads=1)
-    cold, cold_traffic = store.serve(model, tp_size=2, policy="default")
+    keys_json = tmp_path / "keys.json"
+    cold, cold_traffic = store.serve(model, tp_size=2, policy="default", kvpolicy_keys_json=str(keys_json))
     assert cold_traffic.objects_written == FULL_CHUNKS * NUM_GROUPS
     assert cold_traffic.batch_put_start_items == FULL_CHUNKS * NUM_GROUPS, "a chunk was offered twice"
+    # The key contract the connector wrote names exactly the keys it put: as many as were written,
+    # and every one of them in the store (the cold engine missed, so none was there before).
+    predicted = predicted_chunk_keys(KeyContract.model_validate_json(keys_json.read_text()))
+    with store_client(store.master.client_config()) as client:
+        present = list(client.batch_is_exist(predicted))
+    assert (len(predicted), present) == (cold_traffic.objects_written, [1] * len(predicted))
     warm, warm_traffic = store.serve(model, tp_size=2, policy="default")
     assert_warm_matches_cold(cold, warm)
     assert warm_traffic.objects_written == 0
