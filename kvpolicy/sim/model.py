@@ -8,12 +8,12 @@ from typing import Mapping
 
 from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, VllmConfig
 from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-from vllm.v1.core.kv_cache_utils import (
-    get_kv_cache_config_from_groups,
-    get_kv_cache_groups,
-    resolve_dcp_kv_cache_spec,
-    resolve_kv_cache_block_sizes,
-)
+from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_cache_spec, resolve_kv_cache_block_sizes
+
+try:  # vLLM 0.33 moved KV-cache planning out of kv_cache_utils, same signatures
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+except ImportError:  # vLLM 0.32
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 
 from kvpolicy.models import Layout

@@ -26,12 +26,20 @@ check_vllm_version(vllm.__version__)  # before any class of vLLM's connector is 
 from vllm.config import VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 
 from kvpolicy.diagnostics import Diagnostic, DocumentError  # noqa: E402
 from kvpolicy.loader import load_policy, shipped_policy_names  # noqa: E402
 from kvpolicy.models import Policy  # noqa: E402
 from kvpolicy.plan import Plan  # noqa: E402
+from kvpolicy.vllm.metrics import KVPolicyConnectorStats, KVPolicyPromMetrics  # noqa: E402
 from kvpolicy.vllm.worker import KVPolicyStoreWorker  # noqa: E402
 
 __all__ = ["POLICY_KEY", "KVPolicyConfigError", "KVPolicyConnector", "resolve_policy"]
@@ -140,8 +148,36 @@ class KVPolicyConnector(MooncakeStoreConnector, SupportsHMA):
         self.connector_scheduler = None
         self.connector_worker = KVPolicyStoreWorker(vllm_config, kv_cache_config, policy=self.policy)
 
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVPolicyConnectorStats(data=data) if data is not None else KVPolicyConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVPolicyPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     @property
     def plan(self) -> Plan | None:
         """The worker's plan; None on the scheduler role and on a capacity-only worker."""
         worker = self.connector_worker
         return worker.plan if isinstance(worker, KVPolicyStoreWorker) else None
+
+
+def _register_by_name() -> None:
+    """Make ``KVPolicyConnector`` a name vLLM's factory knows. Loaded by module path, a connector is
+    unknown to ``KVConnectorFactory.get_connector_class_by_name``, which ``MultiConnector`` calls to
+    rebuild its children's stats in the API server: without this, kvpolicy's stats would stop vLLM's
+    stats logger there (as vllm#43828 did for the stock connector)."""
+    try:
+        KVConnectorFactory.get_connector_class_by_name(KVPolicyConnector.__name__)
+    except ValueError:
+        KVConnectorFactory.register_connector(KVPolicyConnector.__name__, __name__, KVPolicyConnector.__name__)
+
+
+_register_by_name()

@@ -173,7 +173,7 @@ class SegmentHolder:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
-            env=_child_env({}, ()),
+            env=child_env({}, ()),
             start_new_session=True,
         )
         assert self._process.stdout is not None
@@ -200,7 +200,7 @@ class SegmentHolder:
                 try:
                     process.wait(10)
                 except subprocess.TimeoutExpired:
-                    _kill_group(process)
+                    kill_group(process)
             for stream in (process.stdin, process.stdout):
                 if stream is not None:
                     with contextlib.suppress(OSError):
@@ -216,7 +216,7 @@ class SegmentHolder:
         self.stop()
 
 
-def _child_env(extra: Mapping[str, str], python_path: Sequence[str | os.PathLike[str]]) -> dict[str, str]:
+def child_env(extra: Mapping[str, str], python_path: Sequence[str | os.PathLike[str]]) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra)
     paths = [
@@ -228,7 +228,7 @@ def _child_env(extra: Mapping[str, str], python_path: Sequence[str | os.PathLike
     return env
 
 
-def _kill_group(process: subprocess.Popen[Any]) -> None:
+def kill_group(process: subprocess.Popen[Any]) -> None:
     """SIGKILL the child's process group (the child and the workers it forked), then reap it."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
@@ -293,25 +293,10 @@ def serve_once(
         "dtype": dtype,
         "hybrid": hybrid,
     }
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
-        "MOONCAKE_CONFIG_PATH": os.fspath(Path(mooncake_config_path).resolve()),
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
+    env = engine_env(tp_size, mooncake_config_path)
     # The engine core runs in the child itself (also at TP>1, where the mp executor still forks
     # one worker per rank): one process fewer to start, and the child can drain the connector.
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # No OpenMP core binding: a bound worker pins every thread it starts afterwards, Mooncake's client
-    # threads included, to its one core, and while that core was busy the client's RPCs to the master
-    # were seen to time out (30 s) on this 2-core machine. Unbound, with one OpenMP thread per core.
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // tp_size))
     env.update(extra_env or {})
 
     with tempfile.TemporaryDirectory(prefix="kvpolicy-e2e-") as scratch:
@@ -326,7 +311,7 @@ def serve_once(
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
-                env=_child_env(env, python_path),
+                env=child_env(env, python_path),
                 cwd=scratch,
                 start_new_session=True,
             )
@@ -336,7 +321,7 @@ def serve_once(
                 returncode = None
             finally:
                 # Also reaps engine-core and worker processes the child left behind.
-                _kill_group(process)
+                kill_group(process)
         wall = time.monotonic() - started
         traffic = None
         if before is not None and master_metrics_url is not None:
@@ -374,6 +359,27 @@ def serve_once(
         stdout=stdout,
         stderr=stderr,
     )
+
+
+def engine_env(tp_size: int, mooncake_config_path: str | os.PathLike[str]) -> dict[str, str]:
+    """What a vLLM process on this CPU machine needs in its environment to run the connector offline,
+    on loopback, against the Mooncake store ``mooncake_config_path`` describes."""
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
+        "MOONCAKE_CONFIG_PATH": os.fspath(Path(mooncake_config_path).resolve()),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",
+        # No OpenMP core binding: a bound worker pins every thread it starts afterwards, Mooncake's
+        # client threads included, to its one core, and while that core was busy the client's RPCs to
+        # the master were seen to time out (30 s) on this 2-core machine. Unbound, one thread per core.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // tp_size)),
+    }
 
 
 # --- the child -----------------------------------------------------------------------------------

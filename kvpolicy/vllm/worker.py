@@ -39,6 +39,7 @@ from kvpolicy.store_layout import StoreSharding
 from kvpolicy.vllm import audit as online_audit
 from kvpolicy.vllm import store
 from kvpolicy.vllm.layout import layout_from_kv_cache_config
+from kvpolicy.vllm.metrics import CountingStore, KVPolicyConnectorStats, Tally, dedup_multiplier
 from kvpolicy.vllm.standalone import Ranks, init_standalone
 
 # Under "vllm." so records reach vLLM's own handler (it configures only the "vllm" logger tree).
@@ -166,6 +167,8 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._block_reader: online_audit.BlockReader | None = None
         self._plan_json_path: Path | None = None
         self._keys_json_path: Path | None = None
+        self._tally = Tally()
+        self._prefix_groups: dict[str, int] = {}
 
     @property
     def plan(self) -> Plan | None:
@@ -321,6 +324,18 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         # no hook, so the plan's schedule replaces both here. Safe although the thread is running:
         # saves reach it only through wait_for_save, which cannot run before this method returns.
         self._bind(self._require_plan())
+        if self.kv_send_thread is not None:
+            # Counts, per group, what the send thread puts and finds stored (kvpolicy's /metrics).
+            self.kv_send_thread.store = CountingStore(
+                self.kv_send_thread.store,
+                self._tally,
+                self._group_of_key,
+                lambda group: dedup_multiplier(self._require_plan(), group),
+            )
+
+    def _group_of_key(self, key: str) -> int | None:
+        """The group a store key of this rank belongs to (None for a key of no namespace it writes)."""
+        return self._prefix_groups.get(key.rpartition("@")[0])
 
     def _bind(self, plan: Plan) -> None:
         """Point every plan-dependent part of this worker at ``plan``: factors, token databases (key
@@ -351,6 +366,11 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             # The same list object: the transfer threads hold it.
             self.token_dbs[:] = new
         self._lookup_key_prefixes = store.lookup_key_prefixes(plan)
+        self._prefix_groups = {
+            prefix: group.index
+            for group in plan.groups
+            for prefix in plan.key_prefixes(group.index, self.tp_rank, self.pcp_rank, self.pp_rank)
+        }
         thread = self.kv_send_thread
         if thread is not None:
             thread.tp_rank = store.send_thread_rank(plan, self.tp_rank)
@@ -381,6 +401,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
                 Path(str(keys_path)) if keys_path else Path(str(json_path)).with_suffix("").with_suffix(".keys.json")
             )
         self._write_plan_json()
+        self._tally.plan(plan)
         for what, path in (("plan", self._plan_json_path), ("key contract", self._keys_json_path)):
             if path is not None:
                 logger.info("kvpolicy %s written to %s", what, path)
@@ -478,6 +499,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             if self.tp_rank == 0:
                 logger.error("%s (audit: enforce stops the engine)", error)
                 online_audit.record_stats(self, blocks, time.perf_counter() - started, demoted=len(error.audits))
+                self._tally.audit_step(demoted=tuple(audit.group for audit in error.audits))
             raise
         if outcome.plan_changed:
             # No save or load may straddle the change of namespaces.
@@ -537,7 +559,9 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             )
         self._publish_agreements(outcome)
         online_audit.record_stats(self, blocks, seconds, demoted=len(outcome.demoted))
+        self._tally.audit_step(demoted=outcome.demoted)
         if outcome.plan_changed:
+            self._tally.plan(outcome.plan)
             logger.info("kvpolicy plan after the audit:\n%s", format_plan_table(outcome.plan, audit=state.statuses))
         if outcome.plan_changed or outcome.agreed or outcome.unverified:
             self._write_plan_json()
@@ -577,6 +601,16 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         except Exception:
             logger.exception("kvpolicy audit: could not update the agreement markers")
 
+    # --- metrics ---------------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVPolicyConnectorStats | None:  # type: ignore[override]
+        """Upstream's store telemetry since the last call, with kvpolicy's counters beside it."""
+        upstream = super().get_kv_connector_stats()
+        ours = self._tally.drain()
+        if upstream is None and ours is None:
+            return None
+        return KVPolicyConnectorStats(data={"mooncake": upstream.data if upstream else {}, "kvpolicy": ours or {}})
+
     # --- the lookup gate -------------------------------------------------------------------------
 
     def lookup(self, num_tokens: int, block_hashes: Sequence[BlockHash]) -> MooncakeLookupResult:
@@ -598,5 +632,6 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
                         state.plan.fingerprint,
                     )
                 self._last_lookup_gated = True
+                self._tally.lookup_gated()
                 return MooncakeLookupResult(0)
         return super().lookup(num_tokens, block_hashes)

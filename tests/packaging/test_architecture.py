@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CORE = ("models", "loader", "yamlsource", "expressions", "matcher", "engine", "plan", "keys", "audit",
-        "diagnostics", "schema", "report", "catalog", "traffic", "dumper", "store_layout")
+        "diagnostics", "schema", "report", "catalog", "traffic", "dumper", "store_layout", "contract", "diff")
 LAYERS = {
     "kvpolicy.mooncake": {"kvpolicy.vllm", "kvpolicy.sim", "kvpolicy.app", "vllm"},
     "kvpolicy.vllm": {"kvpolicy.sim", "kvpolicy.app"},

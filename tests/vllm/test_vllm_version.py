@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,18 @@ def test_another_release_is_refused_in_one_line_naming_both(version: str) -> Non
 def test_the_installed_vllm_is_supported() -> None:
     vllm = require("vllm")
     check_vllm_version(vllm.__version__)
+
+
+def test_the_vllm_under_test_is_the_one_asked_for() -> None:
+    # tests/vllm/test_vllm_033.py runs this module with vLLM 0.33 first on the path; a child that
+    # silently imported the venv's 0.32 instead would prove nothing.
+    # Without that request, the vLLM imported is the one installed in this environment.
+    vllm = require("vllm")
+    expected = os.environ.get("KVPOLICY_EXPECT_VLLM")
+    if expected is None:
+        assert Path(vllm.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()), vllm.__file__
+    else:
+        assert vllm.__version__.startswith(f"{expected}."), (vllm.__version__, vllm.__file__)
 
 
 def test_importing_the_connector_under_an_unsupported_vllm_stops_with_that_line() -> None:

