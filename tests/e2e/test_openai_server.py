@@ -37,13 +37,17 @@ LOGPROB_TOLERANCE = 1e-4
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 
 
-def readme_kv_transfer_config() -> str:
-    """The ``--kv-transfer-config`` value of the README's "Point vLLM at a policy" command, verbatim."""
+def readme_kv_transfer_config(section: str = "Point vLLM at a policy") -> str:
+    """The ``--kv-transfer-config`` value of the serve command in a README section, verbatim."""
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Point vLLM at a policy", 1)[1]
-    found = re.search(r"--kv-transfer-config \\\n\s*'(\{.*?\})'", section)
-    assert found, "the README lost its --kv-transfer-config line"
+    text = readme.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    found = re.search(r"--kv-transfer-config \\\n\s*'(\{.*?\})'", text)
+    assert found, f"the README's {section!r} section lost its --kv-transfer-config line"
     return found.group(1)
+
+
+def test_the_deploy_section_serves_the_line_this_test_runs() -> None:
+    assert readme_kv_transfer_config("Deploy on GPUs") == readme_kv_transfer_config()
 
 
 def test_the_readme_line_names_the_connector_and_a_shipped_policy() -> None:
