@@ -169,7 +169,7 @@ def digest_part(args: argparse.Namespace) -> None:
         for index in audited_groups(the_plan):
             group = the_plan.groups[index]
             layers = len(group.decisions)
-            block_size = group.block_size
+            block_size = group.chunk_tokens
             page = int(group.bytes_per_token_per_rank * block_size / layers)
             generator = torch.Generator().manual_seed(index)
             caches = {

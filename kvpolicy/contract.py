@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from kvpolicy.diagnostics import PlanError
 from kvpolicy.models import DocumentVersion, Layout, StrictModel, Topology
 from kvpolicy.plan import Plan
 from kvpolicy.traffic import Stores, group_stores
@@ -23,6 +24,8 @@ KEY_VERSION = 1
 1: vLLM 0.32/0.33's Mooncake store keys, kvpolicy's fingerprint as of kvpolicy 0.1."""
 
 CHUNK_KEY_FORMAT = "{prefix}@{chunk_hash}"
+MAX_CONTRACT_PREFIXES = 100_000
+"""Prefixes one contract may list (every worker's, per group); real deployments list a few thousand."""
 
 
 class ChunkKey(StrictModel):
@@ -77,8 +80,8 @@ class GroupKeys(StrictModel):
     stores: Literal["chunks", "boundary-state"]
     """``chunks``: every full chunk of a prompt is stored; ``boundary-state``: only the state at the
     prompt's checkpoint (Mamba / linear attention)."""
-    block_size: int = Field(ge=1)
-    """Tokens per chunk."""
+    chunk_tokens: int = Field(ge=1)
+    """Tokens per chunk: the spec's block size, times ``dcp_size`` for a DCP-sharded spec."""
     factor: int = Field(ge=1)
     """Ranks holding byte-identical bytes (one replica set); each chunk is stored once per set."""
     demoted: bool
@@ -121,8 +124,16 @@ class KeyContract(StrictModel):
 
 
 def key_contract(plan: Plan, layout: Layout) -> KeyContract:
-    """The key contract of ``plan``, the plan of ``layout``."""
+    """The key contract of ``plan``, the plan of ``layout``. Raises :class:`PlanError` for a contract
+    of more than :data:`MAX_CONTRACT_PREFIXES` prefixes, before building any."""
     topology = plan.topology
+    stages = topology.pcp_size * topology.pp_size
+    listed = sum(stages * len(rank.key_shards) for group in plan.groups for rank in group.ranks)
+    if listed > MAX_CONTRACT_PREFIXES:
+        raise PlanError(
+            f"the key contract would list {listed:,} key prefixes ({len(plan.groups)} groups x {topology.tp_size} TP "
+            f"ranks x {stages} pcp/pp stages, per store shard); at most {MAX_CONTRACT_PREFIXES:,} are listed"
+        )
     dcp_of = topology.dcp_rank
     groups = []
     for group_plan, group in zip(plan.groups, layout.groups, strict=True):
@@ -149,7 +160,7 @@ def key_contract(plan: Plan, layout: Layout) -> KeyContract:
                 index=group_plan.index,
                 name=group_plan.name,
                 stores="boundary-state" if group_stores(group) is Stores.BOUNDARY_STATE else "chunks",
-                block_size=group_plan.block_size,
+                chunk_tokens=group_plan.chunk_tokens,
                 factor=group_plan.factor,
                 demoted=group_plan.demoted,
                 lookup_prefixes=group_plan.lookup_namespaces,

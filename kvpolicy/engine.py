@@ -52,8 +52,9 @@ class GroupDecision:
     """KV bytes one token occupies on one TP rank, summed over the group's layers."""
     signature: tuple[dict[str, object], ...]
     """Each member spec as the plan fingerprint covers it (JSON-able)."""
-    block_size: int
-    """Tokens per block of the group's specs at the topology."""
+    chunk_tokens: int
+    """Tokens per store chunk at the topology: the specs' block size, times ``dcp_size`` for a
+    DCP-sharded spec (vLLM's store coordinator resolves specs for DCP first)."""
 
 
 def make_plan(
@@ -68,7 +69,7 @@ def make_plan(
     """Plan every group of ``layout``; ``demoted`` groups are forced to factor 1 (audit fallback).
     ``store_sharding``: the deployment runs vLLM's TP-sharded store layout
     (:func:`kvpolicy.store_layout.select_store_layout`)."""
-    _check_bounded(policy, layout, topology)
+    _check_bounded(policy, layout, topology, store_sharding)
     _check_vllm_accepts(layout, topology)
     if store_sharding is not None:
         _check_store_sharding(layout, topology, store_sharding)
@@ -131,13 +132,18 @@ MAX_GLOB_MATCHES = 2_000_000
 """Layer-glob matches a plan may need (rules with ``layers`` × layers)."""
 
 
-def _check_bounded(policy: Policy, layout: Layout, topology: Topology) -> None:
+def _check_bounded(
+    policy: Policy, layout: Layout, topology: Topology, store_sharding: StoreSharding | None = None
+) -> None:
     """Refuse, before any work, a plan whose size alone would take seconds or gigabytes."""
-    entries = len(layout.groups) * topology.tp_size * topology.pcp_size * topology.pp_size
+    # Per (group, pcp, pp): a rank entry per TP rank, and a namespace per store shard under a sharded store.
+    per_stage = max(topology.tp_size, store_sharding.store_tp_size if store_sharding else 0)
+    entries = len(layout.groups) * per_stage * topology.pcp_size * topology.pp_size
     if entries > MAX_RANK_ENTRIES:
+        shards = f" (store_tp_size {store_sharding.store_tp_size})" if store_sharding else ""
         raise PlanError(
-            f"the plan would describe {entries:,} (group, rank) entries ({len(layout.groups)} groups x tp {topology.tp_size} "
-            f"x pcp {topology.pcp_size} x pp {topology.pp_size}); at most {MAX_RANK_ENTRIES:,} are planned"
+            f"the plan would describe {entries:,} (group, rank) entries ({len(layout.groups)} groups x tp {topology.tp_size}"
+            f"{shards} x pcp {topology.pcp_size} x pp {topology.pp_size}); at most {MAX_RANK_ENTRIES:,} are planned"
         )
     layered = sum(1 for rule in policy.rules if rule.match.layers is not None)
     layers = sum(len(member.layers) for group in layout.groups for member in group.members)
@@ -346,12 +352,14 @@ def _decide_group(
     signature: list[dict[str, object]] = []
     failures: list[PlanProblem] = []
     block_sizes: list[int] = []
+    chunk_tokens: list[int] = []
     for member in group.members:
         try:
             spec = member.spec.evaluate(variables)
         except ExpressionError as error:
             raise PlanError(f"{label}: {member.spec.type} at {_topology_label(topology)}: {error.message}") from None
         block_sizes.append(spec.block_size)
+        chunk_tokens.append(spec.block_size * _dcp_tokens(spec, topology))
         per_rank_bytes += spec.page_size_bytes * len(member.layers) / (spec.block_size * _dcp_tokens(spec, topology))
         signature.append(
             {
@@ -380,7 +388,8 @@ def _decide_group(
         factor=_replica_set_size(head_factor, topology, decisions, label),
         bytes_per_token_per_rank=per_rank_bytes,
         signature=tuple(signature),
-        block_size=block_sizes[0],
+        # A uniform group is DCP-sharded as its first spec is (vLLM's UniformTypeKVCacheSpecs).
+        chunk_tokens=chunk_tokens[0],
     )
 
 
@@ -557,7 +566,7 @@ def _group_plan(
         bytes_per_token_per_rank=per_rank_bytes,
         written_bytes_per_token=shards * copies * per_rank_bytes,
         undeduplicated_bytes_per_token=tp_size * per_rank_bytes,
-        block_size=decision.block_size,
+        chunk_tokens=decision.chunk_tokens,
         demoted=demoted,
     )
 

@@ -176,21 +176,29 @@ def thawed(value: Any) -> Any:
     return value
 
 
-def _bounded_integers(value: Any) -> None:
-    """Refuse an integer beyond 63 bits anywhere in ``value``, as the YAML reader does: a document the
-    models accept must read back from the text it dumps to."""
+MAX_VALUE_DEPTH = 64
+"""Deepest nesting of lists and mappings a free-form value may have (the dumper and the reader recurse)."""
+
+
+def _readable_values(value: Any, depth: int = 0) -> None:
+    """Refuse, anywhere in ``value``, what the YAML reader would not give back after a dump: an integer
+    beyond 63 bits, a mapping key that is not a string, nesting deeper than :data:`MAX_VALUE_DEPTH`."""
+    if depth > MAX_VALUE_DEPTH:
+        raise ValueError(f"values are nested deeper than {MAX_VALUE_DEPTH} levels")
     if type(value) is int and abs(value) > MAX_INT:
         raise ValueError(f"an integer of {value.bit_length()} bits is too large; integers are at most 2**63 - 1")
     if isinstance(value, Mapping):
-        for item in value.values():
-            _bounded_integers(item)
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"mapping keys must be strings, got {type(key).__name__} {str(key)[:40]!r}")
+            _readable_values(item, depth + 1)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            _bounded_integers(item)
+            _readable_values(item, depth + 1)
 
 
 def _validated_frozen(items: dict[Any, Any]) -> FrozenMapping[Any, Any]:
-    _bounded_integers(items)
+    _readable_values(items)
     frozen: FrozenMapping[Any, Any] = FrozenMapping(items)
     try:
         hash(frozen)

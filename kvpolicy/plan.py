@@ -88,8 +88,9 @@ class GroupPlan:
     """Bytes written to the store per token, summed over all TP ranks."""
     undeduplicated_bytes_per_token: float
     """The same if every rank wrote its own copy (factor 1)."""
-    block_size: int
-    """Tokens per block of the group's specs at the plan's topology (a store chunk's tokens)."""
+    chunk_tokens: int
+    """Tokens per store chunk at the plan's topology: the specs' block size, times ``dcp_size`` for a
+    DCP-sharded spec (vLLM's store coordinator resolves specs for DCP)."""
     demoted: bool = False
     """Forced to factor 1 because the replication audit found the replica set disagreeing."""
 

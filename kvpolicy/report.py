@@ -46,7 +46,7 @@ def format_plan_table(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | No
     """
     topology = plan.topology
     statuses = _audit_statuses(plan, audit)
-    header = ("group", "spec", "block", "rule", "factor", "shards", "writers", "written/token", "no dedup/token", "audit")
+    header = ("group", "spec", "chunk", "rule", "factor", "shards", "writers", "written/token", "no dedup/token", "audit")
     rows = [header]
     for group in plan.groups:
         rule = ", ".join(group.rules)
@@ -54,7 +54,7 @@ def format_plan_table(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | No
             (
                 f"{group.index} {group.name}",
                 "+".join(group.spec_types) if not group.uniform else "uniform{" + ",".join(group.spec_types) + "}",
-                str(group.block_size),
+                str(group.chunk_tokens),
                 rule,
                 str(group.factor),
                 str(group.shards),
@@ -140,7 +140,7 @@ def plan_to_json(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = 
                 "origins": list(group.origins),
                 "demoted": group.demoted,
                 "audit": statuses[group.index],
-                "block_size": group.block_size,
+                "chunk_tokens": group.chunk_tokens,
                 "lookup_namespaces": list(group.lookup_namespaces),
                 "ranks": [
                     {
@@ -172,7 +172,7 @@ def plan_to_json(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = 
 def format_traffic(traffic: PromptTraffic) -> str:
     """One prompt's store traffic: totals, then one line per group."""
     lines = [
-        f"a prompt of {traffic.prompt_tokens} tokens (block {traffic.block_size}): a cold instance writes "
+        f"a prompt of {traffic.prompt_tokens} tokens (chunks of {traffic.chunk_tokens}): a cold instance writes "
         f"{traffic.objects_written} objects; a warm one loads {traffic.hit_tokens} tokens, reading "
         f"{traffic.objects_read} objects"
     ]
@@ -188,7 +188,7 @@ def format_traffic(traffic: PromptTraffic) -> str:
 def traffic_to_json(traffic: PromptTraffic) -> dict[str, Any]:
     return {
         "prompt_tokens": traffic.prompt_tokens,
-        "block_size": traffic.block_size,
+        "chunk_tokens": traffic.chunk_tokens,
         "hit_tokens": traffic.hit_tokens,
         "objects_written": traffic.objects_written,
         "objects_read": traffic.objects_read,
@@ -218,7 +218,7 @@ def format_key_contract(contract: KeyContract) -> str:
     for group in contract.groups:
         demoted = ", demoted" if group.demoted else ""
         lines.append(
-            f"group {group.index} {group.name}: {group.stores}, block {group.block_size}, factor {group.factor}{demoted}"
+            f"group {group.index} {group.name}: {group.stores}, chunks of {group.chunk_tokens} tokens, factor {group.factor}{demoted}"
         )
         lines.append("  lookup needs: " + ", ".join(group.lookup_prefixes))
         for rank in group.ranks:

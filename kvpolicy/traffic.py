@@ -60,7 +60,8 @@ class PromptTraffic:
     """Store traffic of one prompt under one plan."""
 
     prompt_tokens: int
-    block_size: int
+    chunk_tokens: int
+    """Tokens per store chunk (the groups' common one)."""
     hit_tokens: int
     """Prompt tokens a warm instance loads instead of computing."""
     groups: tuple[GroupTraffic, ...]
@@ -92,13 +93,14 @@ def prompt_traffic(plan: Plan, layout: Layout, prompt_tokens: int) -> PromptTraf
         raise ValueError(f"prompt_tokens must not be negative, got {prompt_tokens}")
     if len(plan.groups) != len(layout.groups):
         raise ValueError(f"the plan has {len(plan.groups)} groups but the layout {len(layout.groups)}")
-    block_sizes = {group.block_size for group in plan.groups}
-    if len(block_sizes) != 1:
+    chunk_sizes = {group.chunk_tokens for group in plan.groups}
+    if len(chunk_sizes) != 1:
         raise ValueError(
-            f"the layout's groups have different block sizes ({', '.join(map(str, sorted(block_sizes)))}); "
+            f"the layout's groups have store chunks of different sizes ({', '.join(map(str, sorted(chunk_sizes)))} "
+            "tokens); "
             "the traffic of such a model is not modelled"
         )
-    (block_size,) = block_sizes
+    (block_size,) = chunk_sizes
     full_chunks = prompt_tokens // block_size
     hit_chunks = max(prompt_tokens - 1, 0) // block_size
     topology = plan.topology

@@ -23,6 +23,7 @@ MAX_NODES = 100_000
 """YAML nodes (keys, values, alias uses) one document may build."""
 _STR_TAG = "tag:yaml.org,2002:str"
 _INT_TAG = "tag:yaml.org,2002:int"
+_FLOAT_TAG = "tag:yaml.org,2002:float"
 MAX_INTEGER = MAX_INT
 """Largest integer a document may hold (in magnitude), the models' and expressions' bound too; no
 field needs more, and a bound keeps every later step (messages, arithmetic) cheap."""
@@ -121,8 +122,9 @@ class _Builder:
             return node.value  # most scalars; what SafeConstructor would return, without its dispatch
         # Refused before it is read: PyYAML would spend quadratic time on a decimal literal of
         # megabytes, and Python cannot even print one of more than 4300 digits.
-        if node.tag == _INT_TAG and len(node.value) > 80:
-            raise _IntegerTooLarge(node, f"an integer literal of {len(node.value)} characters")
+        if node.tag in (_INT_TAG, _FLOAT_TAG) and len(node.value) > 80:
+            kind = "an integer" if node.tag == _INT_TAG else "a number"
+            raise _IntegerTooLarge(node, f"{kind} literal of {len(node.value)} characters is too long; at most 80 are read")
         try:
             construct = self.constructor.yaml_constructors.get(node.tag)
             if construct is not None:  # the common case, without construct_object's recursion bookkeeping
@@ -136,7 +138,9 @@ class _Builder:
                 None, None, f"cannot read {node.value!r} as {node.tag}", node.start_mark
             ) from error
         if type(value) is int and abs(value) > MAX_INTEGER:
-            raise _IntegerTooLarge(node, f"an integer of {value.bit_length()} bits")
+            raise _IntegerTooLarge(
+                node, f"an integer of {value.bit_length()} bits is too large; integers are at most 2**63 - 1 ({MAX_INTEGER})"
+            )
         return value
 
     def _scalar_key(self, node: yaml.Node) -> Any:
@@ -218,9 +222,8 @@ def parse(text: str, path: str) -> tuple[Any, SourceMap, list[Diagnostic]]:
         return None, source, [Diagnostic(path, 1, 1, "error", f"document has more than {MAX_NODES} nodes", "KVP003")]
     except _IntegerTooLarge as error:
         line, column = _position(error.node)[:2]
-        message = f"{error.what} is too large; integers are at most 2**63 - 1 ({MAX_INTEGER})"
-        return None, source, [Diagnostic(path, line, column, "error", message, "KVP003")]
-    except (yaml.YAMLError, RecursionError, ValueError, TypeError) as error:
+        return None, source, [Diagnostic(path, line, column, "error", error.what, "KVP003")]
+    except (yaml.YAMLError, RecursionError, ValueError, TypeError, OverflowError) as error:
         mark = getattr(error, "problem_mark", None)
         line, column = (mark.line + 1, mark.column + 1) if mark else (1, 1)
         # A marked error's str() appends its marks on further lines; the diagnostic has them already.

@@ -80,6 +80,12 @@ def write_text_atomically(path: Path, text: str) -> None:
         raise
 
 
+def keys_path_beside(plan_path: Path) -> Path:
+    """Where the key contract goes without ``kvpolicy_keys_json``: ``<plan file stem>.keys.json`` beside
+    the plan (``plan.json`` -> ``plan.keys.json``), never the plan file itself."""
+    return plan_path.with_name(f"{plan_path.stem}.keys.json")
+
+
 class KVPolicyStoreWorker(MooncakeStoreWorker):
     """``MooncakeStoreWorker`` whose three override points answer from a kvpolicy plan.
 
@@ -168,6 +174,9 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._plan_json_path: Path | None = None
         self._keys_json_path: Path | None = None
         self._tally = Tally()
+        # Instance-wide counts (audit steps, the plan) come from one worker: tp rank 0 of every (pcp,
+        # pp) stage concludes each step, and vLLM sums the workers' stats.
+        self._counts_instance = is_first_rank
         self._prefix_groups: dict[str, int] = {}
 
     @property
@@ -398,7 +407,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             self._plan_json_path = Path(str(json_path))
         if keys_path or json_path:
             self._keys_json_path = (
-                Path(str(keys_path)) if keys_path else Path(str(json_path)).with_suffix("").with_suffix(".keys.json")
+                Path(str(keys_path)) if keys_path else keys_path_beside(Path(str(json_path)))
             )
         self._write_plan_json()
         self._tally.plan(plan)
@@ -499,7 +508,8 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             if self.tp_rank == 0:
                 logger.error("%s (audit: enforce stops the engine)", error)
                 online_audit.record_stats(self, blocks, time.perf_counter() - started, demoted=len(error.audits))
-                self._tally.audit_step(demoted=tuple(audit.group for audit in error.audits))
+                if self._counts_instance:
+                    self._tally.audit_step(demoted=tuple(audit.group for audit in error.audits))
             raise
         if outcome.plan_changed:
             # No save or load may straddle the change of namespaces.
@@ -559,9 +569,11 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             )
         self._publish_agreements(outcome)
         online_audit.record_stats(self, blocks, seconds, demoted=len(outcome.demoted))
-        self._tally.audit_step(demoted=outcome.demoted)
+        if self._counts_instance:
+            self._tally.audit_step(demoted=outcome.demoted)
+            if outcome.plan_changed:
+                self._tally.plan(outcome.plan)
         if outcome.plan_changed:
-            self._tally.plan(outcome.plan)
             logger.info("kvpolicy plan after the audit:\n%s", format_plan_table(outcome.plan, audit=state.statuses))
         if outcome.plan_changed or outcome.agreed or outcome.unverified:
             self._write_plan_json()

@@ -95,3 +95,24 @@ def test_a_chunk_key_is_its_namespace_an_at_sign_and_the_hash() -> None:
     contract = contract_of("default", "deepseek-v3", tp_size=2)
     prefix = contract.groups[0].lookup_prefixes[0]
     assert contract.chunk_key.format.format(prefix=prefix, chunk_hash="ab12") == chunk_key(prefix, "ab12")
+
+
+def test_a_contract_beyond_its_bound_is_refused_before_it_is_built() -> None:
+    from kvpolicy.contract import MAX_CONTRACT_PREFIXES
+    from kvpolicy.diagnostics import PlanError
+
+    document = load_layout("llama-3.1-70b")
+    plan = make_plan(load_policy("default"), document, Topology(tp_size=1024, pp_size=128))
+    assert len(plan.groups) * 1024 * 128 > MAX_CONTRACT_PREFIXES
+    with pytest.raises(PlanError, match="the key contract would list 131,072 key prefixes"):
+        key_contract(plan, document)
+
+
+def test_a_sharded_store_counts_its_shards_toward_the_plan_bound() -> None:
+    from kvpolicy.diagnostics import PlanError
+    from kvpolicy.store_layout import StoreSharding
+
+    document = layout(full(num_kv_heads=1), heads=4096).model_copy(update={"kv_cache_layout": "LBNHC"})
+    with pytest.raises(PlanError, match=r"16,777,216 \(group, rank\) entries .*store_tp_size 4096"):
+        make_plan(load_policy("vllm-compat"), document, Topology(tp_size=1, pp_size=4096),
+                  store_sharding=StoreSharding(4096, "tp_shared_lbnhc"))

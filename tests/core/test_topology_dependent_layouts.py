@@ -45,7 +45,7 @@ def plan(document: Layout, tp: int, policy_name: str = "default"):
 @pytest.mark.parametrize(("tp", "block"), [(1, 128), (2, 64), (4, 32), (8, 16)])
 def test_a_block_size_expression_gives_each_tp_its_block(tp: int, block: int) -> None:
     document = layout(full(block_size=HYBRID_BLOCK, page_size_bytes="block_size * 512"), heads=8)
-    assert plan(document, tp).groups[0].block_size == block
+    assert plan(document, tp).groups[0].chunk_tokens == block
 
 
 def test_a_page_size_reading_block_size_keeps_bytes_per_token_at_every_tp() -> None:
@@ -118,7 +118,7 @@ def test_a_block_size_below_one_at_some_tp_is_refused_naming_the_group_and_topol
 
 def test_uniform_members_with_different_block_sizes_at_a_tp_are_refused() -> None:
     document = layout([full(block_size="16 * tp_size"), full(block_size=16, sliding_window=128)], heads=8)
-    assert plan(document, 1).groups[0].block_size == 16
+    assert plan(document, 1).groups[0].chunk_tokens == 16
     with pytest.raises(PlanError, match="block sizes 32, 16 at tp_size 2"):
         plan(document, 2)
 

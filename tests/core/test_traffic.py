@@ -81,7 +81,7 @@ def test_no_dedup_writes_what_every_rank_reads(name: str) -> None:
 
 def test_groups_with_different_block_sizes_are_refused() -> None:
     mixed = layout(full(block_size=16), full(block_size=32), heads=8)
-    with pytest.raises(ValueError, match="different block sizes"):
+    with pytest.raises(ValueError, match="store chunks of different sizes"):
         traffic(mixed, tp=2, tokens=100)
 
 
@@ -94,3 +94,11 @@ def test_a_plan_of_another_layout_is_refused() -> None:
     other = layout(full(block_size=BLOCK), heads=2)
     with pytest.raises(ValueError, match="groups"):
         prompt_traffic(make_plan(load_policy("default"), other, Topology(tp_size=2)), HYBRID, 100)
+
+
+def test_under_dcp_a_chunk_spans_dcp_blocks_and_the_traffic_counts_them() -> None:
+    example = load_layout("deepseek-v3")
+    plan = make_plan(load_policy("default"), example, Topology(tp_size=8, dcp_size=2))
+    result = prompt_traffic(plan, example, 64)
+    # 64 tokens in chunks of 16 x 2: 2 chunks, each once per dcp rank's namespace; the hit leaves a token.
+    assert (plan.groups[0].chunk_tokens, result.objects_written, result.hit_tokens) == (32, 4, 32)

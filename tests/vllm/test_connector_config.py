@@ -289,3 +289,16 @@ def test_the_worker_role_repeats_every_assignment_and_call_of_upstream_init() ->
     # Guards the lines KVPolicyConnector repeats from MooncakeStoreConnector.__init__ against drift.
     upstream = _self_assignments_and_calls(MooncakeStoreConnector.__init__)
     assert upstream - _self_assignments_and_calls(KVPolicyConnector._init_worker_role) == set()
+
+
+@pytest.mark.parametrize(
+    ("plan", "keys"),
+    [("run/plan.json", "run/plan.keys.json"), ("run/kvpolicy.plan.json", "run/kvpolicy.plan.keys.json"),
+     ("plan.keys.json", "plan.keys.keys.json"), ("plan", "plan.keys.json")],
+)
+def test_the_key_contract_goes_beside_the_plan_never_onto_it(plan: str, keys: str) -> None:
+    from pathlib import Path
+
+    from kvpolicy.vllm.worker import keys_path_beside
+
+    assert keys_path_beside(Path(plan)) == Path(keys)

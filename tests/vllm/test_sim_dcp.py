@@ -76,3 +76,19 @@ def test_the_audit_demotes_a_rule_replicating_distinct_heads_under_dcp(run: Run)
     report = run(str(WRONG), "sliding-window-full", 4, 2, audit=True)
     assert {(group.audit, group.factor) for group in report.groups} == {("demoted", 1)}
     assert report.hit_tokens == hit(2) and report.consistent
+
+
+@pytest.mark.parametrize(
+    "archetype, tp, dcp",
+    [*(("mla", *param.values) for param in TOPOLOGIES), ("gqa-kv-lt-tp", 4, 2), ("gqa-kv-lt-tp", 8, 2)],
+)
+def test_the_plans_chunk_is_the_store_coordinators_under_dcp(archetype: str, tp: int, dcp: int) -> None:
+    # vLLM resolves specs for DCP before it cuts chunks: a DCP-sharded spec's chunk spans dcp_size blocks.
+    from kvpolicy.engine import make_plan
+    from kvpolicy.models import Topology
+    from kvpolicy.sim import build_model
+
+    model = build_model(archetype, tp, model_name="m", blocks_needed=8, dcp_size=dcp)
+    plan = make_plan(load_policy("default"), model.layout, Topology(tp_size=tp, dcp_size=dcp))
+    expected = [model.group_block_size(group.index) for group in plan.groups]
+    assert [group.chunk_tokens for group in plan.groups] == expected and expected[0] == 16 * dcp
