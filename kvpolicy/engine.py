@@ -33,7 +33,7 @@ from kvpolicy.models import (
     thawed,
 )
 from kvpolicy.plan import GroupPlan, LayerDecision, Plan, RankAssignment, WriteSchedule
-from kvpolicy.store_layout import StoreSharding
+from kvpolicy.store_layout import StoreSelection, StoreSharding, select_store_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +123,29 @@ def make_plan(
         for index, (group, decision) in enumerate(zip(layout.groups, decided, strict=True))
     )
     return dataclasses.replace(skeleton, groups=groups)
+
+
+def plan_deployment(
+    policy: Policy,
+    layout: Layout,
+    topology: Topology,
+    *,
+    extra_config: Mapping[str, object] | None = None,
+    kv_cache_layout: str | None = None,
+) -> tuple[Plan, Layout, StoreSelection]:
+    """The plan an instance with these ``kv_connector_extra_config`` options would run, as the
+    connector makes it: vLLM's store layout choice, the cache prefix in the keys. The layout comes
+    back with ``kv_cache_layout`` (else its own, else vLLM's ``LBNHC`` preference where a sharded
+    store depends on it) set, as the plan was made for it."""
+    options = dict(extra_config or {})
+    sharded = options.get("store_tp_size") is not None or options.get("enable_store_tp_lcm") is True
+    resolved = kv_cache_layout or layout.kv_cache_layout or ("LBNHC" if sharded else None)
+    if resolved != layout.kv_cache_layout:
+        layout = layout.model_copy(update={"kv_cache_layout": resolved})
+    store = select_store_layout(layout, topology, options, kv_cache_layout=resolved or "LBNHC")
+    context = KeyContext.for_model(layout.model, str(options.get("cache_prefix", "")), store.store_namespace)
+    plan = make_plan(policy, layout, topology, key_context=context, store_sharding=store.sharding)
+    return plan, layout, store
 
 
 MAX_RANK_ENTRIES = 1_000_000

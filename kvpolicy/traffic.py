@@ -3,14 +3,14 @@
 This restates how vLLM's Mooncake store connector (0.32 and 0.33) moves a prompt of ``N`` tokens,
 so that counts measured on a real Mooncake master can be checked against the plan:
 
-* a group of attention-like specs stores every **full chunk** of the prompt, ``N // block_size``
+* a group of attention-like specs stores every **full chunk** of the prompt, ``N // chunk_tokens``
   chunks, each once per lookup namespace (the plan's write schedule gives each chunk one writer
   per replica set);
 * a group of ``MambaSpec`` layers (Mamba, linear attention, short conv; ``mamba_cache_mode:
   align``) stores only its **boundary state** at the prompt's checkpoint, one object per lookup
   namespace;
 * the checkpoint, and the longest hit a warm instance can get, is the last block boundary that
-  leaves at least one token to compute: ``(N - 1) // block_size * block_size`` (vLLM's
+  leaves at least one token to compute: ``(N - 1) // chunk_tokens * chunk_tokens`` (vLLM's
   ``get_mamba_prefill_checkpoint_position`` without EAGLE);
 * on a warm hit every TP rank of every (pcp, pp) rank reads its own namespace: per group, the hit
   chunks (one boundary state for a Mamba group) once per rank. Reads are not striped;
@@ -100,9 +100,9 @@ def prompt_traffic(plan: Plan, layout: Layout, prompt_tokens: int) -> PromptTraf
             "tokens); "
             "the traffic of such a model is not modelled"
         )
-    (block_size,) = chunk_sizes
-    full_chunks = prompt_tokens // block_size
-    hit_chunks = max(prompt_tokens - 1, 0) // block_size
+    (chunk_tokens,) = chunk_sizes
+    full_chunks = prompt_tokens // chunk_tokens
+    hit_chunks = max(prompt_tokens - 1, 0) // chunk_tokens
     topology = plan.topology
     readers = topology.tp_size * topology.pcp_size * topology.pp_size
     groups = []
@@ -115,4 +115,4 @@ def prompt_traffic(plan: Plan, layout: Layout, prompt_tokens: int) -> PromptTraf
         else:
             written, read = full_chunks * namespaces, hit_chunks * readers * objects_per_rank
         groups.append(GroupTraffic(group_plan.index, group_plan.name, stores, written, read))
-    return PromptTraffic(prompt_tokens, block_size, hit_chunks * block_size, tuple(groups))
+    return PromptTraffic(prompt_tokens, chunk_tokens, hit_chunks * chunk_tokens, tuple(groups))

@@ -18,11 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvpolicy.contract import KEY_VERSION, key_contract  # noqa: E402
-from kvpolicy.engine import make_plan  # noqa: E402
-from kvpolicy.keys import KeyContext  # noqa: E402
+from kvpolicy.engine import plan_deployment  # noqa: E402
 from kvpolicy.loader import load_layout, load_policy, shipped_policy_names  # noqa: E402
 from kvpolicy.models import Topology  # noqa: E402
-from kvpolicy.store_layout import select_store_layout  # noqa: E402
 
 LAYOUTS = ("deepseek-v3", "gpt-oss-120b", "kimi-linear-48b-a3b", "llama-3.1-70b", "nemotron-h-8b", "qwen3-next-80b-a3b")
 EXTRA_CASES: tuple[dict[str, Any], ...] = (
@@ -52,18 +50,11 @@ def cases() -> list[dict[str, Any]]:
 
 def keys_of(case: dict[str, Any]) -> dict[str, Any]:
     """The fingerprint and every group's lookup prefixes of one case."""
-    layout = load_layout(case["layout"])
     topology = Topology(tp_size=case["tp"], pp_size=case.get("pp", 1), dcp_size=case.get("dcp", 1))
     options = {"store_tp_size": case["store_tp"]} if "store_tp" in case else {}
-    store = select_store_layout(layout, topology, options, kv_cache_layout="LBNHC")
-    if options:
-        layout = layout.model_copy(update={"kv_cache_layout": "LBNHC"})
-    plan = make_plan(
-        load_policy(case["policy"]),
-        layout,
-        topology,
-        key_context=KeyContext.for_model(layout.model, case.get("cache_prefix", ""), store.store_namespace),
-        store_sharding=store.sharding,
+    plan, layout, _ = plan_deployment(
+        load_policy(case["policy"]), load_layout(case["layout"]), topology,
+        extra_config={**options, "cache_prefix": case.get("cache_prefix", "")},
     )
     contract = key_contract(plan, layout)
     return {

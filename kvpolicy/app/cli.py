@@ -18,8 +18,7 @@ from kvpolicy import schema
 from kvpolicy.app.diagnostic_formats import FORMATS, FileResult, Selection, parse_codes, render
 from kvpolicy.contract import key_contract
 from kvpolicy.diagnostics import DocumentError, PlanError, PlanProblem
-from kvpolicy.engine import make_plan
-from kvpolicy.keys import KeyContext
+from kvpolicy.engine import make_plan, plan_deployment
 from kvpolicy.loader import check_file, load_layout, load_policy, schemas_dir, shipped_policy_names
 from kvpolicy.models import KV_CACHE_LAYOUTS, Layout, Policy, Topology
 from kvpolicy.plan import Plan
@@ -31,7 +30,7 @@ from kvpolicy.report import (
     plan_to_json,
     traffic_to_json,
 )
-from kvpolicy.store_layout import StoreSelection, select_store_layout
+from kvpolicy.store_layout import StoreSelection
 from kvpolicy.traffic import prompt_traffic
 
 
@@ -122,24 +121,11 @@ def _store_options(args: argparse.Namespace) -> dict[str, object]:
 def _planned(args: argparse.Namespace) -> tuple[Plan, Layout, StoreSelection]:
     """The plan the flags describe, of the layout (with the flag's KV cache layout), and vLLM's store
     layout choice for it."""
-    policy = load_policy(args.policy)
-    layout = load_layout(args.layout)
-    topology = _topology(args)
-    options = _store_options(args)
-    # The flag, else what the layout was captured with; vLLM's own default preference where the
-    # store layout depends on it and neither says.
-    kv_cache_layout = args.kv_cache_layout or layout.kv_cache_layout or ("LBNHC" if options else None)
-    if kv_cache_layout != layout.kv_cache_layout:
-        layout = layout.model_copy(update={"kv_cache_layout": kv_cache_layout})
-    store = select_store_layout(layout, topology, options, kv_cache_layout=kv_cache_layout or "LBNHC")
-    result = make_plan(
-        policy,
-        layout,
-        topology,
-        key_context=KeyContext.for_model(layout.model, getattr(args, "cache_prefix", ""), store.store_namespace),
-        store_sharding=store.sharding,
+    options = {**_store_options(args), "cache_prefix": getattr(args, "cache_prefix", "")}
+    return plan_deployment(
+        load_policy(args.policy), load_layout(args.layout), _topology(args),
+        extra_config=options, kv_cache_layout=args.kv_cache_layout,
     )
-    return result, layout, store
 
 
 def _keys(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ as a child of ``MultiConnector``)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -160,7 +161,7 @@ def test_a_new_plan_replaces_the_info_series() -> None:
 
 
 def test_every_series_is_named_in_the_readme() -> None:
-    readme = (__import__("pathlib").Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     assert [name for name in METRICS if f"`{name}`" not in readme] == []
 
 
