@@ -24,6 +24,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculat
 from vllm.v1 import kv_cache_interface
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
@@ -278,8 +279,11 @@ def _spec_value(value: Any, default: Any) -> Any:
     return value
 
 
-def _scaled_spec(spec: SpecValues, *, head_size: int, num_kv_heads: int) -> KVCacheSpec:
-    """A per-rank spec of the layout's class, from its fields at one topology, at a scaled-down size."""
+def _scaled_spec(
+    spec: SpecValues, *, head_size: int, num_kv_heads: int, mamba_dim: int | None = _MAMBA_DIM
+) -> KVCacheSpec:
+    """A per-rank spec of the layout's class, from its fields at one topology, at a scaled-down size
+    (Mamba state dimensions cut to ``mamba_dim``; None keeps the real state)."""
     cls = getattr(kv_cache_interface, spec.type, None)
     if not (isinstance(cls, type) and issubclass(cls, KVCacheSpec)):
         raise ValueError(f"{spec.type} is not a spec class of vllm.v1.kv_cache_interface")
@@ -299,20 +303,43 @@ def _scaled_spec(spec: SpecValues, *, head_size: int, num_kv_heads: int) -> KVCa
         kwargs["head_size"] = head_size
     if kwargs.get("head_size_v"):
         kwargs["head_size_v"] = head_size
-    if "shapes" in kwargs:
-        kwargs["shapes"] = tuple(tuple(min(dim, _MAMBA_DIM) for dim in shape) for shape in kwargs["shapes"])
+    if "shapes" in kwargs and mamba_dim is not None:
+        kwargs["shapes"] = tuple(tuple(min(dim, mamba_dim) for dim in shape) for shape in kwargs["shapes"])
     return cls(**kwargs)
 
 
+def _real_page_spec(spec: SpecValues, *, num_kv_heads: int) -> KVCacheSpec:
+    """A per-rank spec of the layout's class whose :data:`BLOCK_SIZE`-token page holds as many bytes
+    as the real model's page at its own block size, and whose Mamba state is the real one: one chunk
+    object of a group is then as large as the real model's (fewer tokens in it, the same bytes)."""
+    probe = _scaled_spec(spec, head_size=1, num_kv_heads=num_kv_heads, mamba_dim=None)
+    if not isinstance(probe, AttentionSpec):
+        return probe
+    per_head_byte = probe.page_size_bytes
+    if spec.page_size_bytes % per_head_byte:
+        raise ValueError(
+            f"{spec.type}: a page of {spec.page_size_bytes} bytes is no whole head size at block {BLOCK_SIZE} "
+            f"({per_head_byte} bytes per unit of head size)"
+        )
+    return _scaled_spec(spec, head_size=spec.page_size_bytes // per_head_byte, num_kv_heads=num_kv_heads, mamba_dim=None)
+
+
 def _rank_spec(
-    spec: Spec, head_size: int, total_num_kv_heads: int, num_kv_heads: int | None, tp_size: int
+    spec: Spec,
+    head_size: int | None,
+    total_num_kv_heads: int,
+    num_kv_heads: int | None,
+    tp_size: int,
 ) -> KVCacheSpec:
     """:func:`_scaled_spec` of ``spec`` evaluated at ``tp_size``, with ``num_kv_heads`` heads or (None)
-    those one of ``tp_size`` ranks holds (vLLM's QKVParallelLinear)."""
+    those one of ``tp_size`` ranks holds (vLLM's QKVParallelLinear); ``head_size`` None: the real
+    page (:func:`_real_page_spec`)."""
     values = spec.evaluate(
         {"tp_size": tp_size, "pp_size": 1, "pcp_size": 1, "dcp_size": 1, "total_num_kv_heads": total_num_kv_heads}
     )
     heads = max(1, total_num_kv_heads // tp_size) if num_kv_heads is None else num_kv_heads
+    if head_size is None:
+        return _real_page_spec(values, num_kv_heads=heads)
     return _scaled_spec(values, head_size=head_size, num_kv_heads=heads)
 
 
@@ -326,7 +353,7 @@ def archetype_from_layout(
     *,
     name: str | None = None,
     layers_per_group: int | None = None,
-    head_size: int = 32,
+    head_size: int | None = 32,
     num_kv_heads: int | None = 1,
 ) -> Archetype:
     """A kvpolicy ``Layout`` as an archetype, scaled down.
@@ -342,6 +369,10 @@ def archetype_from_layout(
 
     vLLM pads a smaller page only for Mamba and non-MLA attention, so next to Mamba state an MLA page
     must stay the larger: ``head_size`` >= 16 does.
+
+    ``head_size=None`` keeps the real bytes instead (use with ``num_kv_heads=None``): every page of
+    :data:`BLOCK_SIZE` tokens is as large as the real model's page at its own block size at that TP
+    size, and Mamba states keep their real shapes, so chunk objects have the real model's sizes.
     """
     kinds: dict[str, SpecBuilder] = {}
     layers: list[tuple[str, str]] = []

@@ -40,6 +40,7 @@ from kvpolicy.vllm import audit as online_audit
 from kvpolicy.vllm import store
 from kvpolicy.vllm.layout import layout_from_kv_cache_config
 from kvpolicy.vllm.metrics import CountingStore, KVPolicyConnectorStats, Tally, dedup_multiplier
+from kvpolicy.vllm.send import MergedSaveSendingThread
 from kvpolicy.vllm.standalone import Ranks, init_standalone
 
 # Under "vllm." so records reach vLLM's own handler (it configures only the "vllm" logger tree).
@@ -341,6 +342,9 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
                 self._group_of_key,
                 lambda group: dedup_multiplier(self._require_plan(), group),
             )
+            # One exists check and one put per job for boundary states and chunks together; outside
+            # the counting view, so that it counts the boundary keys riding on the chunk calls.
+            MergedSaveSendingThread.adopt(self.kv_send_thread)
 
     def _group_of_key(self, key: str) -> int | None:
         """The group a store key of this rank belongs to (None for a key of no namespace it writes)."""
