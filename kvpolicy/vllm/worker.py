@@ -39,6 +39,8 @@ from kvpolicy.store_layout import StoreSharding
 from kvpolicy.vllm import audit as online_audit
 from kvpolicy.vllm import store
 from kvpolicy.vllm.layout import layout_from_kv_cache_config
+from kvpolicy.vllm.lookup import LookupProbes
+from kvpolicy.vllm.lookup import lookup as probing_lookup
 from kvpolicy.vllm.metrics import CountingStore, KVPolicyConnectorStats, Tally, dedup_multiplier
 from kvpolicy.vllm.send import MergedSaveSendingThread
 from kvpolicy.vllm.standalone import Ranks, init_standalone
@@ -165,6 +167,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._cache_prefix = str(extra_config.get("cache_prefix", ""))
         self._gather = gather
         self._last_lookup_gated = False
+        self._last_lookup_probes = LookupProbes()
         self._store_namespace = ""
         self._store_sharding: StoreSharding | None = None
         self._plan: Plan | None = None
@@ -189,6 +192,11 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
     def audit(self) -> AuditState | None:
         """The replication audit's state; None before planning and on a capacity-only instance."""
         return self._audit
+
+    @property
+    def last_lookup_probes(self) -> LookupProbes:
+        """Keys and ``batch_is_exist`` calls of the last :meth:`lookup` (none when the gate refused it)."""
+        return self._last_lookup_probes
 
     @property
     def last_lookup_gated(self) -> bool:
@@ -630,7 +638,10 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
     # --- the lookup gate -------------------------------------------------------------------------
 
     def lookup(self, num_tokens: int, block_hashes: Sequence[BlockHash]) -> MooncakeLookupResult:
+        """Upstream's lookup (same hit, same tail boundaries), probing only the keys its hit search
+        reads (:mod:`kvpolicy.vllm.lookup`), behind the lookup gate."""
         self._last_lookup_gated = False
+        self._last_lookup_probes = LookupProbes()
         state = self._audit
         if state is not None and not self._capacity_only:
             try:
@@ -650,4 +661,5 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
                 self._last_lookup_gated = True
                 self._tally.lookup_gated()
                 return MooncakeLookupResult(0)
-        return super().lookup(num_tokens, block_hashes)
+        result, self._last_lookup_probes = probing_lookup(self, num_tokens, block_hashes)
+        return result

@@ -29,6 +29,8 @@ SUITE = (
     "tests/vllm/test_store_tp_layouts.py",
     "tests/vllm/test_hybrid_block_sizes.py",
     "tests/vllm/test_connector_metrics.py",
+    "tests/vllm/test_merged_saves.py",
+    "tests/vllm/test_minimal_lookup.py",
 )
 
 
