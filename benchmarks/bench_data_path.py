@@ -36,12 +36,12 @@ Object sizes (``--pages``, see ``kvpolicy.sim.archetype_from_layout``): the simu
 blocks, and by default (``real``) every page holds what the real model's page holds at its own block size
 at that TP size (attention head sizes scaled up, Mamba states unscaled), so a chunk object is as large as
 the real model's (Kimi-Linear at tp=2: 7.9 MiB, DeepSeek-V3 1.1 MiB) and a hybrid job's boundary states
-are as many as a real prompt of 8 chunks has. ``scaled`` is the earlier shape: attention ``--kv-heads``
+are as many as a real prompt of 4 chunks has. ``scaled`` is the earlier shape: attention ``--kv-heads``
 x ``--head-size`` per rank, Mamba dims cut to 4 (Kimi-Linear's objects 112 KiB). Targets: stores >= 0.95
 x raw (issue 13), loads >= 0.9.
 
     python benchmarks/bench_data_path.py [--layouts NAME ...] [--tp 2] [--pages real|scaled]
-        [--tokens 128] [--repeat 21] [--min-seconds 15] [--policy default] [--layers-per-group N]
+        [--tokens 64] [--repeat 21] [--min-seconds 15] [--policy default] [--layers-per-group N]
         [--head-size 128] [--kv-heads 4]
 """
 
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         "scaled up to hold the real block's bytes in 16 tokens, real Mamba states); scaled: --kv-heads x "
         "--head-size attention, Mamba dims cut to 4",
     )
-    parser.add_argument("--tokens", type=int, default=None, help="prompt length (block size 16); default 128 real, 512 scaled")
+    parser.add_argument("--tokens", type=int, default=None, help="prompt length (block size 16); default 64 real, 512 scaled")
     parser.add_argument("--repeat", type=int, default=21)
     parser.add_argument("--policy", default="default")
     parser.add_argument("--layers-per-group", type=int, default=None, help="default: all of the layout's layers")
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--segment-mib", type=int, default=256, help="store segment per client")
     args = parser.parse_args(argv)
     if args.tokens is None:
-        args.tokens = 128 if args.pages == "real" else 512
+        args.tokens = 64 if args.pages == "real" else 512
 
     from kvpolicy.mooncake import MooncakeMaster
     from kvpolicy.mooncake.native_log import native_stderr_to

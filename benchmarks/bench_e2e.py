@@ -85,7 +85,7 @@ def child(spec_path: str) -> int:
     llm = LLM(
         model=spec["model"],
         tokenizer=spec["model"],
-        tensor_parallel_size=1,
+        tensor_parallel_size=int(spec.get("tp", 1)),
         dtype="float32",
         enforce_eager=True,
         enable_prefix_caching=False,

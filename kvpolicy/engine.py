@@ -11,18 +11,22 @@ replica sets of unequal sizes, an expression that fails, a topology vLLM itself 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 from kvpolicy.catalog import is_subclass
 from kvpolicy.diagnostics import PlanError, PlanProblem
 from kvpolicy.expressions import ExpressionError, Value
 from kvpolicy.keys import KeyContext, fingerprint
-from kvpolicy.matcher import layers_matching, layers_reason, match_spec, match_when, spec_variables
+from kvpolicy.matcher import RuleMatch, layers_matching, layers_reason, match_spec, match_when, spec_variables
 from kvpolicy.models import (
     Group,
-    LayerSpecs,
     Layout,
+    Member,
     Policy,
     Replication,
     Rule,
@@ -36,9 +40,9 @@ from kvpolicy.plan import GroupPlan, LayerDecision, Plan, RankAssignment, WriteS
 from kvpolicy.store_layout import StoreSelection, StoreSharding, select_store_layout
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupDecision:
-    """What the rules decided for one group, before ranks, write schedules and keys follow from it."""
+class GroupDecision(NamedTuple):
+    """What the rules decided for one group, before ranks, write schedules and keys follow from it
+    (a named tuple: a plan makes one per group, and a tuple is built several times faster)."""
 
     layer_decisions: tuple[LayerDecision, ...]
     """One decision per layer, in the group's layer order."""
@@ -57,6 +61,89 @@ class GroupDecision:
     DCP-sharded spec (vLLM's store coordinator resolves specs for DCP first)."""
 
 
+class PlanCacheInfo(NamedTuple):
+    hits: int
+    misses: int
+    plans: int
+    """Plans held now."""
+    layers: int
+    """Layer decisions those plans hold."""
+
+
+class PlanCache:
+    """The plans :func:`make_plan` made, by the identity of their policy and layout and the values of
+    the topology, key context, demoted groups and store sharding; least recently used first out.
+
+    By identity, not ``==``: documents compare like their values, and pydantic's ``==`` takes a
+    field's ``true`` for ``1``, ``1.0`` for ``1`` and a mapping's order for none, which change a plan
+    (its fingerprint, a rule's reasons); and comparing two layouts costs as much as planning one. An
+    entry holds its policy and layout, so their ids name them while it lives. Documents and plans are
+    immutable, so a plan stays right for as long as its documents live.
+
+    Bounded by entries and by the layer decisions they hold (a plan of the largest layout has
+    200,000), so a long-lived process keeps at most a few plans of big layouts."""
+
+    def __init__(self, max_plans: int = 32, max_layers: int = 400_000) -> None:
+        self.max_plans, self.max_layers = max_plans, max_layers
+        self._entries: OrderedDict[Hashable, tuple[Policy, Layout, Plan, int]] = OrderedDict()
+        self._layers = 0
+        self._hits = self._misses = 0
+        self._lock = threading.Lock()
+
+    def plan(
+        self,
+        policy: Policy,
+        layout: Layout,
+        topology: Topology,
+        context: KeyContext,
+        demoted: frozenset[int],
+        store_sharding: StoreSharding | None,
+    ) -> Plan:
+        key = (
+            id(policy),
+            id(layout),
+            # Exact types, so that a topology or sharding built with True for 1 does not share a plan.
+            _typed(topology.tp_size, topology.pp_size, topology.pcp_size, topology.dcp_size),
+            _typed(context.model, context.cache_prefix, context.store_namespace),
+            demoted,  # only ever asked `index in demoted`
+            None if store_sharding is None else _typed(store_sharding.store_tp_size, store_sharding.store_format),
+        )
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] is policy and entry[1] is layout:
+                self._entries.move_to_end(key)
+                self._hits += 1
+                return entry[2]
+            self._misses += 1
+        plan = _plan(policy, layout, topology, context, demoted, store_sharding)
+        layers = sum(len(group.decisions) for group in plan.groups)
+        with self._lock:
+            if key not in self._entries and layers <= self.max_layers:
+                self._entries[key] = (policy, layout, plan, layers)
+                self._layers += layers
+                while len(self._entries) > self.max_plans or self._layers > self.max_layers:
+                    *_, dropped = self._entries.popitem(last=False)[1]
+                    self._layers -= dropped
+        return plan
+
+    def info(self) -> PlanCacheInfo:
+        with self._lock:
+            return PlanCacheInfo(self._hits, self._misses, len(self._entries), self._layers)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._layers = self._hits = self._misses = 0
+
+
+def _typed(*values: object) -> tuple[tuple[type, object], ...]:
+    return tuple((type(value), value) for value in values)
+
+
+PLANS = PlanCache()
+"""The cache :func:`make_plan` uses."""
+
+
 def make_plan(
     policy: Policy,
     layout: Layout,
@@ -68,14 +155,30 @@ def make_plan(
 ) -> Plan:
     """Plan every group of ``layout``; ``demoted`` groups are forced to factor 1 (audit fallback).
     ``store_sharding``: the deployment runs vLLM's TP-sharded store layout
-    (:func:`kvpolicy.store_layout.select_store_layout`)."""
+    (:func:`kvpolicy.store_layout.select_store_layout`).
+
+    Plans are cached (:class:`PlanCache`): asked again with the same ``policy`` and ``layout``
+    objects and equal other arguments (the audit's replan after a demotion, a worker planning twice),
+    this returns the plan it made before. A plan is immutable all the way down (frozen dataclasses,
+    tuples, named tuples, frozen models), so every caller may share it."""
+    context = key_context or KeyContext.for_model(layout.model)
+    return PLANS.plan(policy, layout, topology, context, frozenset(demoted), store_sharding)
+
+
+def _plan(
+    policy: Policy,
+    layout: Layout,
+    topology: Topology,
+    context: KeyContext,
+    demoted: frozenset[int],
+    store_sharding: StoreSharding | None,
+) -> Plan:
+    """:func:`make_plan` without its cache."""
     _check_bounded(policy, layout, topology, store_sharding)
     _check_vllm_accepts(layout, topology)
     if store_sharding is not None:
         _check_store_sharding(layout, topology, store_sharding)
         _check_sharded_keys(policy)
-    context = key_context or KeyContext.for_model(layout.model)
-    demoted = frozenset(demoted)
     variables: dict[str, Value] = {
         "tp_size": topology.tp_size,
         "pp_size": topology.pp_size,
@@ -83,11 +186,13 @@ def make_plan(
         "dcp_size": topology.dcp_size,
         "total_num_kv_heads": layout.total_num_kv_heads,
     }
+    specs = _SpecCache(policy, variables, topology)
+    ranks = _RankCache(topology, policy.schedule, store_sharding)
     decided: list[GroupDecision] = []
     problems: list[PlanProblem] = []
     for index, group in enumerate(layout.groups):  # every group, so that one run reports every refusal
         try:
-            decided.append(_decide_group(policy, group, index, variables, topology, demoted=index in demoted))
+            decided.append(_decide_group(policy, group, index, specs, ranks, demoted=index in demoted))
         except PlanError as error:
             problems.extend(error.problems)
     if problems:
@@ -117,9 +222,11 @@ def make_plan(
         fingerprint=digest,
         groups=(),
         store_sharding=store_sharding,
+        load=policy.load,
     )
+    prefixes = _PrefixCache(skeleton, ranks)
     groups = tuple(
-        _group_plan(skeleton, index, group, decision, demoted=index in demoted)
+        _group_plan(skeleton, ranks, prefixes, index, group, decision, demoted=index in demoted)
         for index, (group, decision) in enumerate(zip(layout.groups, decided, strict=True))
     )
     return dataclasses.replace(skeleton, groups=groups)
@@ -289,7 +396,7 @@ def _stage_independent(decision: GroupDecision, topology: Topology) -> GroupDeci
     if topology.pp_size == 1:
         return decision
     signature = tuple({name: value for name, value in spec.items() if name != "layers"} for spec in decision.signature)
-    return dataclasses.replace(decision, signature=signature)
+    return decision._replace(signature=signature)
 
 
 def _check_sharded_keys(policy: Policy) -> None:
@@ -360,69 +467,167 @@ def _check_sharded_group_unreplicated(
     )
 
 
+class _SpecWork:
+    """What one spec at the plan's topology gives every layer that has it: its values, the variables
+    its expressions read, its fingerprint signature (without the layer count; shared, never
+    modified), and each rule's outcome on it, worked out once (a failure is not remembered, so that
+    each group reports its own)."""
+
+    __slots__ = ("_factors", "_matches", "_whens", "chunk_tokens", "every_layer", "signature", "values", "variables")
+
+    def __init__(self, values: SpecValues, variables: dict[str, Value], topology: Topology) -> None:
+        self.values, self.variables = values, variables
+        self.chunk_tokens = values.block_size * _dcp_tokens(values, topology)
+        self.signature: dict[str, object] = {
+            "type": values.type,
+            "block_size": values.block_size,
+            "page_size_bytes": values.page_size_bytes,
+            "fields": thawed(values.fields),
+        }
+        self._matches: dict[int, RuleMatch] = {}
+        self._whens: dict[int, RuleMatch] = {}
+        self._factors: dict[int, int] = {}
+        self.every_layer: tuple[str | None, str, int, tuple[tuple[str, str], ...]] | None = None
+        """(rule, origin, factor, rules passed over) of every layer, once known, under a policy
+        without layer globs: then no layer of the spec is decided otherwise."""
+
+    def matches(self, index: int, rule: Rule) -> RuleMatch:
+        """:func:`~kvpolicy.matcher.match_spec` of rule ``index``."""
+        found = self._matches.get(index)
+        if found is None:
+            found = self._matches[index] = match_spec(rule, self.values)
+        return found
+
+    def when(self, index: int, rule: Rule) -> RuleMatch:
+        """:func:`~kvpolicy.matcher.match_when` of rule ``index``."""
+        found = self._whens.get(index)
+        if found is None:
+            found = self._whens[index] = match_when(rule, self.values, self.variables)
+        return found
+
+    def factor(self, index: int, compute: Callable[[], int]) -> int:
+        """Rule ``index``'s factor, ``compute()`` the first time."""
+        found = self._factors.get(index)
+        if found is None:
+            found = self._factors[index] = compute()
+        return found
+
+
+class _SpecCache:
+    """What one plan's rules give each distinct spec (its :class:`_SpecWork`) and, without layer
+    globs, each distinct group: a layout states the same few specs in many groups. Specs are told
+    apart by :meth:`Spec.exact_key`, not ``==``, which takes a field's ``true`` for ``1`` and would
+    give one spec the other's signature."""
+
+    def __init__(self, policy: Policy, variables: Mapping[str, Value], topology: Topology) -> None:
+        self._variables, self._topology = variables, topology
+        self._work: dict[tuple[str, tuple[str, ...], str, str, str], _SpecWork] = {}
+        self.rule_origins = tuple(policy.rule_origin(index) for index in range(len(policy.rules)))
+        """:meth:`Policy.rule_origin` of every rule (a private attribute of the policy, slow to read)."""
+        self.layer_globs = any(rule.match.layers is not None for rule in policy.rules)
+        """Whether any rule tells the layers of one spec apart."""
+        self.shapes: dict[tuple[object, ...], GroupDecision] = {}
+        """Without layer globs, a group's decision but for its layer names, by its specs' work, its
+        members' layer counts and whether it is demoted: a layout repeats a few groups many times."""
+
+    def work(self, spec: Spec) -> _SpecWork:
+        """Raises :class:`ExpressionError` as :meth:`Spec.evaluate` does."""
+        key = spec.exact_key()
+        found = self._work.get(key)
+        if found is None:
+            values = spec.evaluate(self._variables)
+            found = self._work[key] = _SpecWork(values, spec_variables(values, self._variables), self._topology)
+        return found
+
+
 def _decide_group(
     policy: Policy,
     group: Group,
     index: int,
-    variables: Mapping[str, Value],
-    topology: Topology,
+    specs: _SpecCache,
+    ranks: _RankCache,
     *,
     demoted: bool,
 ) -> GroupDecision:
-    label = f"group {index}" + (f" ({group.name})" if group.name else "")
+    members = group.members
+    works = []
+    for member in members:
+        try:
+            works.append(specs.work(member.spec))
+        except ExpressionError as error:
+            raise PlanError(
+                f"{_group_label(index, group)}: {member.spec.type} at {_topology_label(ranks.topology)}: {error.message}"
+            ) from None
+    shape_key = (*map(id, works), *[len(member.layers) for member in members], demoted)
+    shape = specs.shapes.get(shape_key)
+    if shape is not None:  # a group like one before: only its layer names are its own
+        decisions = [
+            LayerDecision(layer, work.values.type, *work.every_layer)  # type: ignore[misc]
+            for member, work in zip(members, works, strict=True)
+            for layer in member.layers
+        ]
+        return shape._replace(layer_decisions=tuple(decisions))
+    decision = _decide_new_group(policy, specs, members, works, ranks, _group_label(index, group), demoted=demoted)
+    if not specs.layer_globs:
+        specs.shapes[shape_key] = decision
+    return decision
+
+
+def _group_label(index: int, group: Group) -> str:
+    return f"group {index}" + (f" ({group.name})" if group.name else "")
+
+
+def _decide_new_group(
+    policy: Policy,
+    specs: _SpecCache,
+    members: Sequence[Member],
+    works: Sequence[_SpecWork],
+    ranks: _RankCache,
+    label: str,
+    *,
+    demoted: bool,
+) -> GroupDecision:
+    """:func:`_decide_group` of a group unlike any before in the plan."""
+    topology = ranks.topology
     decisions: list[LayerDecision] = []
     per_rank_bytes = 0.0
     signature: list[dict[str, object]] = []
     failures: list[PlanProblem] = []
-    block_sizes: list[int] = []
-    chunk_tokens: list[int] = []
-    for member in group.members:
+    for member, work in zip(members, works, strict=True):
+        spec = work.values
+        per_rank_bytes += spec.page_size_bytes * len(member.layers) / work.chunk_tokens
+        signature.append({**work.signature, "layers": len(member.layers)})
         try:
-            spec = member.spec.evaluate(variables)
-        except ExpressionError as error:
-            raise PlanError(f"{label}: {member.spec.type} at {_topology_label(topology)}: {error.message}") from None
-        block_sizes.append(spec.block_size)
-        chunk_tokens.append(spec.block_size * _dcp_tokens(spec, topology))
-        per_rank_bytes += spec.page_size_bytes * len(member.layers) / (spec.block_size * _dcp_tokens(spec, topology))
-        signature.append(
-            {
-                "type": spec.type,
-                "block_size": spec.block_size,
-                "page_size_bytes": spec.page_size_bytes,
-                "fields": thawed(spec.fields),
-                "layers": len(member.layers),
-            }
-        )
-        try:
-            decisions.extend(_decide_member(policy, member, spec, spec_variables(spec, variables), topology, label))
+            decisions.extend(_decide_member(policy, specs, member, work, topology, label))
         except PlanError as error:
             failures.extend(error.problems)
     if failures:
         raise PlanError(failures)
+    block_sizes = [work.values.block_size for work in works]
     if len(set(block_sizes)) > 1:
         raise PlanError(
             f"{label}: its specs have block sizes {', '.join(map(str, block_sizes))} at {_topology_label(topology)}; "
             "the layers of one vLLM KV-cache group share one block size"
         )
-    head_factor = 1 if demoted else math.gcd(*(decision.factor for decision in decisions))
+    head_factor = 1 if demoted else math.gcd(*[decision.factor for decision in decisions])
     return GroupDecision(
         layer_decisions=tuple(decisions),
         head_factor=head_factor,
-        factor=_replica_set_size(head_factor, topology, decisions, label),
+        factor=_replica_set_size(head_factor, ranks, decisions, label),
         bytes_per_token_per_rank=per_rank_bytes,
         signature=tuple(signature),
         # A uniform group is DCP-sharded as its first spec is (vLLM's UniformTypeKVCacheSpecs).
-        chunk_tokens=chunk_tokens[0],
+        chunk_tokens=works[0].chunk_tokens,
     )
 
 
-def _replica_set_size(head_factor: int, topology: Topology, decisions: Sequence[LayerDecision], label: str) -> int:
+def _replica_set_size(head_factor: int, ranks: _RankCache, decisions: Sequence[LayerDecision], label: str) -> int:
     """Ranks per replica set (:func:`_replica_set`): of ``head_factor`` consecutive ranks repeating a
     head, those holding the same tokens under decode-context parallelism."""
-    sizes = {len(_replica_set(rank, head_factor, topology)) for rank in range(topology.tp_size)}
-    if len(sizes) == 1:
-        (size,) = sizes
+    size = ranks.replica_set_size(head_factor)
+    if size is not None:
         return size
+    topology = ranks.topology
     culprit = next((d for d in decisions if d.factor > 1), decisions[0])
     raise PlanError(
         f"{label}: rule '{culprit.rule}' ({culprit.origin}) repeats heads over {head_factor} consecutive TP ranks "
@@ -437,9 +642,9 @@ def _layers_label(layers: Sequence[str]) -> str:
 
 def _decide_member(
     policy: Policy,
-    member: LayerSpecs,
-    spec: SpecValues,
-    variables: Mapping[str, Value],
+    specs: _SpecCache,
+    member: Member,
+    work: _SpecWork,
     topology: Topology,
     label: str,
 ) -> list[LayerDecision]:
@@ -450,13 +655,34 @@ def _decide_member(
     The layers still undecided share one history of rules passed over; work and memory are linear in
     rules plus layers (plus one glob match per layer and layer-matching rule).
     """
+    spec = work.values
+    if work.every_layer is not None:
+        rule_name, origin, factor, history = work.every_layer
+        return [LayerDecision(layer, spec.type, rule_name, origin, factor, history) for layer in member.layers]
+    decisions = _decide_layers(policy, specs.rule_origins, member, work, topology, label)
+    if not specs.layer_globs:
+        first = decisions[0]
+        work.every_layer = (first.rule, first.origin, first.factor, first.passed_over)
+    return decisions
+
+
+def _decide_layers(
+    policy: Policy,
+    origins: Sequence[str],
+    member: Member,
+    work: _SpecWork,
+    topology: Topology,
+    label: str,
+) -> list[LayerDecision]:
+    """:func:`_decide_member`, rule by rule."""
+    spec, variables = work.values, work.variables
     pending: list[str] = list(member.layers)
     passed_over: list[tuple[str, str]] = []
     decided: dict[str, LayerDecision] = {}
     for rule_index, rule in enumerate(policy.rules):
         if not pending:
             break
-        outcome = match_spec(rule, spec)
+        outcome = work.matches(rule_index, rule)
         if not outcome.matched:
             passed_over.append((rule.name, outcome.reason))
             continue
@@ -464,9 +690,9 @@ def _decide_member(
         if not selected:
             passed_over.append((rule.name, layers_reason(rule)))
             continue
-        origin = policy.rule_origin(rule_index)
+        origin = origins[rule_index]
         try:
-            outcome = match_when(rule, spec, variables)
+            outcome = work.when(rule_index, rule)
         except ExpressionError as error:
             raise PlanError(
                 f"{label}, {_layers_label(selected)}: rule '{rule.name}' ({origin}): when: {error.message}",
@@ -476,9 +702,8 @@ def _decide_member(
             passed_over.append((rule.name, outcome.reason))
             continue
         where = f"{label}, {_layers_label(selected)}: rule '{rule.name}' ({origin})"
-        factor = _rule_factor(
-            rule, variables, topology, where, lambda field, offset=0: policy.expression_origin(rule_index, field, offset)
-        )
+        locate = functools.partial(policy.expression_origin, rule_index)  # (field, offset) -> file:line:col
+        factor = work.factor(rule_index, functools.partial(_rule_factor, rule, variables, topology, where, locate))
         history = tuple(passed_over)
         decided.update((layer, LayerDecision(layer, spec.type, rule.name, origin, factor, history)) for layer in selected)
         if len(selected) == len(pending):
@@ -536,8 +761,120 @@ def _rule_factor(
     return value if rule.factor is not None else tp_size // value
 
 
+class _RankCache:
+    """Per plan, what depends only on a group's factors (and, for the write phase, on its index modulo
+    the factor): replica sets, rank assignments, lookup namespaces. Groups with the same factors share
+    one tuple of :class:`RankAssignment` (immutable)."""
+
+    def __init__(self, topology: Topology, schedule: Schedule, sharding: StoreSharding | None) -> None:
+        self.topology, self._schedule, self._sharding = topology, schedule, sharding
+        self._replica_sets: dict[int, tuple[tuple[int, ...], ...]] = {}
+        self._sizes: dict[int, int | None] = {}
+        self._assignments: dict[tuple[int, int, int], tuple[RankAssignment, ...]] = {}
+        self._namespaces: dict[int, tuple[tuple[int, int], ...]] = {}
+
+    def replica_sets(self, head_factor: int) -> tuple[tuple[int, ...], ...]:
+        """:func:`_replica_set` of every TP rank."""
+        found = self._replica_sets.get(head_factor)
+        if found is None:
+            topology = self.topology
+            found = self._replica_sets[head_factor] = tuple(
+                _replica_set(rank, head_factor, topology) for rank in range(topology.tp_size)
+            )
+        return found
+
+    def replica_set_size(self, head_factor: int) -> int | None:
+        """The size of every replica set, or None when they differ."""
+        found = self._sizes.get(head_factor, 0)  # 0: not worked out yet (a size is at least 1)
+        if found == 0:
+            sizes = {len(replica_set) for replica_set in self.replica_sets(head_factor)}
+            found = self._sizes[head_factor] = sizes.pop() if len(sizes) == 1 else None
+        return found
+
+    def assignments(self, head_factor: int, factor: int, group: int) -> tuple[RankAssignment, ...]:
+        key = (head_factor, factor, group % factor)
+        found = self._assignments.get(key)
+        if found is None:
+            found = self._assignments[key] = self._assign(head_factor, factor, group)
+        return found
+
+    def _assign(self, head_factor: int, factor: int, group: int) -> tuple[RankAssignment, ...]:
+        topology, sharding = self.topology, self._sharding
+        tp_size = topology.tp_size
+        replica_sets = self.replica_sets(head_factor)
+        return tuple(
+            RankAssignment(
+                tp_rank=rank,
+                shard=rank // head_factor,
+                replica_set=replica_sets[rank],
+                schedule=_schedule(
+                    self._schedule, _stripe_rank(rank, topology), group, factor, leader=replica_sets[rank][0] == rank
+                ),
+                stripe_rank=_stripe_rank(rank, topology),
+                store_shards=() if sharding is None else sharding.shards_of(rank, tp_size),
+            )
+            for rank in range(tp_size)
+        )
+
+    def namespaces(self, head_factor: int) -> tuple[tuple[int, int], ...]:
+        """(shard, tp rank) of every namespace a lookup of a group with this head factor needs."""
+        found = self._namespaces.get(head_factor)
+        if found is None:
+            if self._sharding is None:
+                # One namespace per replica set, named by its first rank: (head shard, dcp rank) tell sets apart.
+                leaders = sorted({replica_set[0] for replica_set in self.replica_sets(head_factor)})
+                found = tuple((leader // head_factor, leader) for leader in leaders)
+            else:
+                # One namespace per store shard, whichever rank holds it (no PCP or DCP: dcp rank 0).
+                found = tuple((store_shard, 0) for store_shard in range(self._sharding.store_tp_size))
+            self._namespaces[head_factor] = found
+        return found
+
+
+class _PrefixCache:
+    """A plan's lookup prefixes: each namespace rendered once (:meth:`Plan._prefix_pieces`) and joined
+    with the index of every group that needs it (a plan of 100 groups at tp 8 has 800 prefixes)."""
+
+    def __init__(self, skeleton: Plan, ranks: _RankCache) -> None:
+        self._skeleton, self._ranks = skeleton, ranks
+        self._pieces: dict[tuple[int, bool], list[list[str]] | None] = {}
+
+    def lookup(self, group: int, head_factor: int, demoted: bool) -> tuple[str, ...]:
+        """The prefixes a lookup of ``group`` needs, in upstream's order (pcp rank, namespace, pp rank)."""
+        key = (head_factor, demoted)
+        if key in self._pieces:
+            pieces = self._pieces[key]
+        else:
+            pieces = self._pieces[key] = self._cut(head_factor, demoted)
+        if pieces is None:
+            return tuple(self._skeleton._prefix(group, *namespace, demoted) for namespace in self._namespaces(head_factor))
+        index = str(group)
+        return tuple([index.join(cut) for cut in pieces])
+
+    def _namespaces(self, head_factor: int) -> list[tuple[int, int, int, int]]:
+        """(shard, tp rank, pcp rank, pp rank) of each lookup prefix."""
+        topology = self._skeleton.topology
+        return [
+            (shard, tp_rank, pcp_rank, pp_rank)
+            for pcp_rank in range(topology.pcp_size)
+            for shard, tp_rank in self._ranks.namespaces(head_factor)
+            for pp_rank in range(topology.pp_size)
+        ]
+
+    def _cut(self, head_factor: int, demoted: bool) -> list[list[str]] | None:
+        cuts = []
+        for namespace in self._namespaces(head_factor):
+            pieces = self._skeleton._prefix_pieces(*namespace, demoted)
+            if pieces is None:
+                return None
+            cuts.append(pieces)
+        return cuts
+
+
 def _group_plan(
     skeleton: Plan,
+    ranks: _RankCache,
+    prefixes: _PrefixCache,
     index: int,
     group: Group,
     decision: GroupDecision,
@@ -545,53 +882,32 @@ def _group_plan(
     demoted: bool,
 ) -> GroupPlan:
     head_factor, factor, per_rank_bytes = decision.head_factor, decision.factor, decision.bytes_per_token_per_rank
-    topology, sharding = skeleton.topology, skeleton.store_sharding
+    topology = skeleton.topology
     tp_size = topology.tp_size
     shards = tp_size // factor
-    replica_sets = [_replica_set(rank, head_factor, topology) for rank in range(tp_size)]
-    ranks = tuple(
-        RankAssignment(
-            tp_rank=rank,
-            shard=rank // head_factor,
-            replica_set=replica_sets[rank],
-            schedule=_schedule(
-                skeleton.schedule, _stripe_rank(rank, topology), index, factor, leader=replica_sets[rank][0] == rank
-            ),
-            stripe_rank=_stripe_rank(rank, topology),
-            store_shards=() if sharding is None else sharding.shards_of(rank, tp_size),
-        )
-        for rank in range(tp_size)
-    )
-    if sharding is None:
-        # One namespace per replica set, named by its first rank: (head shard, dcp rank) tell sets apart.
-        leaders = sorted({replica_set[0] for replica_set in replica_sets})
-        namespaces = [(leader // head_factor, leader) for leader in leaders]
-    else:
-        # One namespace per store shard, whichever rank holds it (no PCP or DCP: dcp rank 0).
-        namespaces = [(store_shard, 0) for store_shard in range(sharding.store_tp_size)]
-    lookup = tuple(
-        skeleton._prefix(index, shard, tp_rank, pcp_rank, pp_rank, demoted)
-        for pcp_rank in range(topology.pcp_size)
-        for shard, tp_rank in namespaces
-        for pp_rank in range(topology.pp_size)
-    )
     copies = factor if skeleton.schedule is Schedule.ALL else 1
     return GroupPlan(
         index=index,
         name=group.name or f"group-{index}",
-        spec_types=tuple(dict.fromkeys(member.spec.type for member in group.members)),
+        spec_types=_spec_types(group.members),
         uniform=group.is_uniform,
         decisions=decision.layer_decisions,
         factor=factor,
         shards=shards,
-        ranks=ranks,
-        lookup_namespaces=lookup,
+        ranks=ranks.assignments(head_factor, factor, index),
+        lookup_namespaces=prefixes.lookup(index, head_factor, demoted),
         bytes_per_token_per_rank=per_rank_bytes,
         written_bytes_per_token=shards * copies * per_rank_bytes,
         undeduplicated_bytes_per_token=tp_size * per_rank_bytes,
         chunk_tokens=decision.chunk_tokens,
         demoted=demoted,
     )
+
+
+def _spec_types(members: Sequence[Member]) -> tuple[str, ...]:
+    if len(members) == 1:
+        return (members[0].spec.type,)
+    return tuple(dict.fromkeys(member.spec.type for member in members))
 
 
 def _replica_set(tp_rank: int, head_factor: int, topology: Topology) -> tuple[int, ...]:

@@ -116,6 +116,15 @@ class Expression:
 
 
 @lru_cache(maxsize=4096)
+def shared_expression(source: str) -> Expression:
+    """The :class:`Expression` of ``source``, one instance per source (raises like ``Expression``).
+
+    An expression is immutable, and a layout states the same few in every group: sharing one
+    instance parses, checks, compiles and reads the names of each once, not once per group."""
+    return Expression(source)
+
+
+@lru_cache(maxsize=4096)
 def _parse(source: str) -> ast.expr:
     """Parse and check ``source``; cached because layouts repeat the same few expressions per group.
 

@@ -213,8 +213,8 @@ def _expression_origins(path: str, source: SourceMap, index: int, rule: Any) -> 
     """``file:line:col`` where each expression of rule ``index`` starts (inside its quotes)."""
     origins = {}
     for field in ("when", "factor", "shards"):
-        if getattr(rule, field) is not None and ("rules", index, field) in source.values:
-            position = source.values[("rules", index, field)]
+        position = source.value_position(("rules", index, field)) if getattr(rule, field) is not None else None
+        if position is not None:
             origins[field] = f"{path}:{position.line}:{position.column + (1 if position.quoted else 0)}"
     return origins
 

@@ -10,14 +10,15 @@ sentence documents the code, the schema and the YAML.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import string
 import typing
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 from enum import Enum
 from functools import cached_property
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -37,7 +38,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError, core_schema
 
 from kvpolicy.catalog import SPEC_FIELDS, is_subclass
-from kvpolicy.expressions import MAX_INT, Expression, ExpressionError
+from kvpolicy.expressions import MAX_INT, Expression, ExpressionError, shared_expression
 
 TOPOLOGY_VARIABLES = ("tp_size", "pp_size", "pcp_size", "dcp_size", "total_num_kv_heads")
 """Variables every expression may read, besides the fields of the spec being matched."""
@@ -78,7 +79,7 @@ def _parse_expression(value: Any) -> Expression:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"expected an integer or an expression string, got {type(value).__name__}")
     try:
-        return Expression(str(value))
+        return shared_expression(str(value))
     except ExpressionError as error:
         raise ValueError(error.message) from error
 
@@ -117,11 +118,28 @@ class FrozenMapping(Mapping[_Key, _Value_co]):
         self._items: dict[_Key, _Value_co] = {key: deep_frozen(value) for key, value in dict(items).items()}
         self._hash: int | None = None
 
+    @classmethod
+    def of_frozen(cls, items: dict[_Key, _Value_co]) -> FrozenMapping[_Key, _Value_co]:
+        """A mapping of ``items``, whose values are :func:`deep_frozen` already; it keeps ``items``."""
+        mapping = cls.__new__(cls)
+        mapping._items, mapping._hash = items, None
+        return mapping
+
     def __getitem__(self, key: _Key) -> _Value_co:
         return self._items[key]
 
     def __iter__(self) -> Iterator[_Key]:
         return iter(self._items)
+
+    # Views of the dict itself (read-only): Mapping's own would call __getitem__ per key.
+    def keys(self) -> KeysView[_Key]:
+        return self._items.keys()
+
+    def values(self) -> ValuesView[_Value_co]:
+        return self._items.values()
+
+    def items(self) -> ItemsView[_Key, _Value_co]:
+        return self._items.items()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -184,20 +202,71 @@ def _readable_values(value: Any, depth: int = 0) -> None:
     """Refuse, anywhere in ``value``, what the YAML reader would not give back after a dump: an integer
     beyond 63 bits, a mapping key that is not a string, nesting deeper than :data:`MAX_VALUE_DEPTH`."""
     if depth > MAX_VALUE_DEPTH:
-        raise ValueError(f"values are nested deeper than {MAX_VALUE_DEPTH} levels")
+        raise _too_deep()
     if type(value) is int and abs(value) > MAX_INT:
-        raise ValueError(f"an integer of {value.bit_length()} bits is too large; integers are at most 2**63 - 1")
+        raise _too_large(value)
     if isinstance(value, Mapping):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise ValueError(f"mapping keys must be strings, got {type(key).__name__} {str(key)[:40]!r}")
+                raise _not_a_name(key)
             _readable_values(item, depth + 1)
     elif isinstance(value, (list, tuple)):
         for item in value:
             _readable_values(item, depth + 1)
 
 
+def _too_deep() -> ValueError:
+    return ValueError(f"values are nested deeper than {MAX_VALUE_DEPTH} levels")
+
+
+def _too_large(value: int) -> ValueError:
+    return ValueError(f"an integer of {value.bit_length()} bits is too large; integers are at most 2**63 - 1")
+
+
+def _not_a_name(key: Any) -> ValueError:
+    return ValueError(f"mapping keys must be strings, got {type(key).__name__} {str(key)[:40]!r}")
+
+
+class _Unusual(Exception):
+    """A value other than the dicts, lists and scalars a YAML document holds."""
+
+
+def _frozen_if_readable(value: Any, depth: int) -> Any:
+    """``deep_frozen(value)`` after ``_readable_values(value, depth)`` in one walk, for the values a
+    document holds (dicts, lists, strings, numbers, booleans, None), which are hashable once frozen;
+    raises :class:`_Unusual` at anything else, for the two steps to judge. Both walk depth first in
+    order, so the first refusal is the same."""
+    if depth > MAX_VALUE_DEPTH:
+        raise _too_deep()
+    kind = type(value)
+    if kind in _KEPT:
+        return value
+    if kind is int:
+        if abs(value) > MAX_INT:
+            raise _too_large(value)
+        return value
+    inline = depth < MAX_VALUE_DEPTH  # the items are not too deep: the scalars among them need no call
+    if kind is list or kind is tuple:
+        return tuple([item if inline and type(item) in _KEPT else _frozen_if_readable(item, depth + 1) for item in value])
+    if kind is dict:
+        items = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise _not_a_name(key)
+            items[key] = item if inline and type(item) in _KEPT else _frozen_if_readable(item, depth + 1)
+        return FrozenMapping.of_frozen(items)
+    raise _Unusual
+
+
+_KEPT = frozenset((str, bool, float, type(None)))
+"""Values :func:`deep_frozen` keeps as they are and :func:`_readable_values` never refuses (at a depth it allows)."""
+
+
 def _validated_frozen(items: dict[Any, Any]) -> FrozenMapping[Any, Any]:
+    try:
+        return _frozen_if_readable(items, 0)  # type: ignore[no-any-return]
+    except _Unusual:
+        pass
     _readable_values(items)
     frozen: FrozenMapping[Any, Any] = FrozenMapping(items)
     try:
@@ -289,6 +358,18 @@ class Schedule(str, Enum):
     """The lowest rank of each replica set writes every chunk."""
     ALL = "all"
     """Every rank writes every chunk; the store keeps the first copy."""
+
+
+class LoadMode(str, Enum):
+    """How the ranks of a replica set read a group's chunks from the store on a hit."""
+
+    PER_RANK = "per-rank"
+    """Every rank reads every chunk it needs (vLLM's way): a chunk of a group replicated over ``f``
+    ranks leaves the store ``f`` times."""
+    STRIPED = "striped"
+    """Each member of a replica set reads a disjoint ``1/f`` of the chunks and the members exchange
+    them over the TP group: each chunk leaves the store once per replica set. Needs one receive thread
+    per rank and no disk-offload staging budget; otherwise the connector reads per rank."""
 
 
 class AuditMode(str, Enum):
@@ -414,6 +495,9 @@ class Policy(StrictModel):
     which every layer is identical."""
     schedule: Schedule = Schedule.STRIPED
     """Which ranks of a replica set write each chunk."""
+    load: LoadMode = LoadMode.PER_RANK
+    """Which ranks of a replica set read each chunk on a hit. Not part of the fingerprint: it changes
+    who reads an object, not which objects exist."""
     key: KeyFormat = KeyFormat()
     """Store key format."""
     audit: Audit = Audit()
@@ -483,6 +567,8 @@ MAX_LAYOUT_LAYERS = 200_000
 
 
 def _expanded_count(pattern: str) -> int:
+    if "{" not in pattern:  # no range (most names), without the regular expression
+        return 1
     return math.prod(max(0, int(high) - int(low) + 1) for low, high in _RANGE.findall(pattern))
 
 
@@ -503,6 +589,8 @@ def _layer_patterns(raw_layout: Any) -> Iterator[str]:
 
 def expand_layer_pattern(pattern: str) -> tuple[str, ...]:
     """Expand ``{a..b}`` ranges (inclusive): ``l.{0..2}.attn`` → ``l.0.attn``, ``l.1.attn``, ``l.2.attn``."""
+    if "{" not in pattern:  # no range (most names), without the regular expression
+        return (pattern,)
     found = _RANGE.search(pattern)
     if not found:
         return (pattern,)
@@ -651,8 +739,9 @@ class Spec(StrictModel):
         cls, fields: FrozenMapping[str, FieldValue]
     ) -> FrozenMapping[str, FieldValue]:
         for value in fields.values():
-            for expression in _field_expressions(value):
-                _check_reads(expression, _FIELD_READS)
+            if isinstance(value, (FieldExpression, tuple)):  # the others hold no expression
+                for expression in _field_expressions(value):
+                    _check_reads(expression, _FIELD_READS)
         return fields
 
     def evaluate(self, topology_variables: Mapping[str, Any]) -> SpecValues:
@@ -686,10 +775,27 @@ class Spec(StrictModel):
         """The class and its bases, most specific first."""
         return (self.type, *self.bases)
 
+    def exact_key(self) -> tuple[str, tuple[str, ...], str, str, str]:
+        """A key two specs share only when they state exactly the same, for caching what a spec
+        gives: ``==`` takes a field's ``true`` for ``1`` or ``1.0``, ``-0.0`` for ``0.0`` and fields in
+        any order for the same, which a plan does not (its fingerprint, a rule's reasons). The fields
+        by their ``repr``, which spells every value a document holds (scalars, tuples, mappings,
+        expressions) unambiguously."""
+        fields = self.fields
+        spelled = repr(fields._items if type(fields) is FrozenMapping else fields)
+        return (self.type, self.bases, self.block_size.source, self.page_size_bytes.source, spelled)
+
 
 def _check_reads(expression: Expression, known: frozenset[str]) -> None:
+    _reads_only(expression.source, known)
+
+
+@functools.lru_cache(maxsize=4096)
+def _reads_only(source: str, known: frozenset[str]) -> None:
+    """Refuse an expression reading a variable outside ``known``; remembered per text when it reads
+    none (a layout states the same few expressions in every group)."""
     try:
-        expression.check_names(known)
+        shared_expression(source).check_names(known)
     except ExpressionError as error:
         raise ValueError(error.message) from error
 
@@ -719,9 +825,24 @@ class LayerSpecs(StrictModel):
     @classmethod
     def _expand(cls, layers: Any) -> Any:
         layers = _as_tuple(layers)
-        if not isinstance(layers, (list, tuple)) or not all(isinstance(name, str) for name in layers):
+        if not isinstance(layers, (list, tuple)):
             return layers
+        ranges = False
+        for name in layers:
+            if not isinstance(name, str):
+                return layers
+            ranges = ranges or "{" in name
+        if not ranges:  # each name is its own expansion
+            return tuple(layers)
         return tuple(name for pattern in layers for name in expand_layer_pattern(pattern))
+
+
+class Member(NamedTuple):
+    """Layers of a group that share one spec (:attr:`Group.members`): a named tuple, not a model,
+    since both parts were validated with the group, and a plan reads a member of every group."""
+
+    spec: Spec
+    layers: tuple[str, ...]
 
 
 class Group(StrictModel):
@@ -750,13 +871,12 @@ class Group(StrictModel):
         return self
 
     @cached_property
-    def members(self) -> tuple[LayerSpecs, ...]:
+    def members(self) -> tuple[Member, ...]:
         """The group as (spec, layers) entries: one for a plain group, several for a uniform one."""
         if self.uniform is not None:
-            return self.uniform
+            return tuple(Member(member.spec, member.layers) for member in self.uniform)
         assert self.spec is not None and self.layers is not None
-        # Both parts were validated with the group; model_construct skips validating them again.
-        return (LayerSpecs.model_construct(spec=self.spec, layers=self.layers),)
+        return (Member(self.spec, self.layers),)
 
     @property
     def is_uniform(self) -> bool:

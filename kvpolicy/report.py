@@ -7,6 +7,7 @@ from typing import Any
 
 from kvpolicy.audit import AuditStatus, initial_statuses
 from kvpolicy.contract import KeyContract
+from kvpolicy.models import LoadMode
 from kvpolicy.plan import GroupPlan, LayerDecision, Plan
 from kvpolicy.traffic import PromptTraffic
 
@@ -69,7 +70,10 @@ def format_plan_table(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | No
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     lines = [
         f"plan: policy {plan.policy}, model {plan.model}, tp={topology.tp_size} pp={topology.pp_size} "
-        f"pcp={topology.pcp_size} dcp={topology.dcp_size}, schedule {plan.schedule.value}, fingerprint {plan.fingerprint}"
+        f"pcp={topology.pcp_size} dcp={topology.dcp_size}, schedule {plan.schedule.value}"
+        # Shown only when not the default, so that plans of per-rank policies read as before.
+        + (f", load {plan.load.value}" if plan.load is LoadMode.STRIPED else "")
+        + f", fingerprint {plan.fingerprint}"
     ]
     sharding = plan.store_sharding
     if sharding is not None:
@@ -119,6 +123,7 @@ def plan_to_json(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = 
         "model": plan.model,
         "topology": topology.model_dump(),
         "schedule": plan.schedule.value,
+        "load": plan.load.value,
         "fingerprint": plan.fingerprint,
         "audit": {"mode": plan.audit_mode.value, "steps": plan.audit_steps},
         "store": {

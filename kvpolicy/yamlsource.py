@@ -3,15 +3,24 @@
 PyYAML's node tree has line and column marks; this walks it into plain Python values and keeps a
 map from each value's path (``("rules", 2, "factor")``) to its position, so later validation errors
 can point at the exact line and column. Duplicate keys, which PyYAML silently merges, are errors.
+
+Two readers share the composed node tree: :class:`_Builder`, the reference, builds values and
+positions and reports every problem; :func:`_plain_value` builds the values alone and gives up
+(:class:`_Unsure`) on anything that is not a plain document of strings, numbers, booleans and nulls,
+leaving it to the reference. A document the plain reader accepts gets its positions only when they
+are asked for (:class:`SourceMap`), from the same nodes as the reference would record them, so every
+position and diagnostic is the reference's whichever reader built the values.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+import operator
 from typing import Any, NamedTuple
 
 import yaml
 from yaml.constructor import SafeConstructor
+from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
 from kvpolicy.diagnostics import Diagnostic
 from kvpolicy.expressions import MAX_INT
@@ -27,7 +36,32 @@ _FLOAT_TAG = "tag:yaml.org,2002:float"
 MAX_INTEGER = MAX_INT
 """Largest integer a document may hold (in magnitude), the models' and expressions' bound too; no
 field needs more, and a bound keeps every later step (messages, arithmetic) cheap."""
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the C parser keeps line/column marks too
+_BASE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the C parser keeps line/column marks too
+_MAX_LITERAL = 80
+"""Characters of a number literal that are read (see :meth:`_Builder._scalar`)."""
+_PLAIN_DEPTH = 100
+"""Nesting the plain reader follows before it leaves a document to the reference: the reference
+recurses two frames a level, so within this depth it never fails where the plain reader succeeded
+(documents nest a few levels; values deeper than 64 are refused by the models anyway)."""
+
+
+class _Loader(_BASE_LOADER):  # type: ignore[misc,valid-type]
+    """PyYAML's safe loader, resolving each distinct scalar once per document.
+
+    The C composer asks the Python resolver for the tag of every node, a loop over regular
+    expressions for a plain scalar, and tells it each step down and up the tree. Without path
+    resolvers (PyYAML's safe loader has none unless a program adds them) the steps do nothing and a
+    tag depends only on (kind, value, implicit): the steps become C no-ops and the tags a C cache
+    (``functools.cache`` answers a repeated scalar without running Python), kept by this loader
+    only, so it reads the resolvers of its class as they are."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        if not self.yaml_path_resolvers:
+            # Bound to the class, not to self: a cache holding self would make a reference cycle.
+            self.resolve = functools.cache(functools.partial(yaml.resolver.BaseResolver.resolve, type(self)))
+            self.descend_resolver = operator.is_  # (node, index) -> ignored
+            self.ascend_resolver = tuple  # () -> ignored
 
 
 class Position(NamedTuple):
@@ -41,23 +75,79 @@ class Position(NamedTuple):
     """Whether the scalar starts with a quote, so its text starts one column later."""
 
 
-@dataclass
 class SourceMap:
-    """Positions of the keys and values of one parsed document."""
+    """Positions of the keys and values of one parsed document.
 
-    path: str
-    keys: dict[Path, Position] = field(default_factory=dict)
-    values: dict[Path, Position] = field(default_factory=dict)
+    For a document the plain reader read (``root``), the maps are built when first read; the first
+    :data:`WALKS` questions about one path each walk the nodes to it instead, as the maps would
+    answer (a layout that loads without a warning asks none, a policy its rules' lines), and then
+    the maps are built, so that many questions about a wide mapping stay linear."""
+
+    WALKS = 64
+
+    __slots__ = ("_keys", "_root", "_values", "_walks", "path")
+
+    def __init__(self, path: str, root: yaml.Node | None = None) -> None:
+        self.path = path
+        self._keys: dict[Path, Position] = {}
+        self._values: dict[Path, Position] = {}
+        self._root = root
+        self._walks = 0
+
+    @property
+    def built(self) -> bool:
+        """Whether the maps are built (for a document the plain reader read, once :attr:`keys` or
+        :attr:`values` has been read)."""
+        return self._root is None
+
+    @property
+    def keys(self) -> dict[Path, Position]:
+        self._fill()
+        return self._keys
+
+    @property
+    def values(self) -> dict[Path, Position]:
+        self._fill()
+        return self._values
+
+    def _fill(self) -> None:
+        if self._root is not None:
+            root, self._root = self._root, None
+            _Builder(self.path, self._keys, self._values).build(root, ())
+
+    def value_position(self, location: Path) -> Position | None:
+        """``values.get(location)``."""
+        found = self._positions(location)
+        return None if found is None else found[1]
+
+    def _positions(self, location: Path) -> tuple[Position | None, Position] | None:
+        """(the key's position or None, the value's) at ``location``, or None where there is none."""
+        self._walks += 1
+        if self._walks > self.WALKS:
+            self._fill()
+        if self._root is None:
+            value = self._values.get(location)
+            return None if value is None else (self._keys.get(location), value)
+        key_node, node = None, self._root
+        for part in location:
+            # Paths as the reference builds them: mapping keys as strings, sequence items by index.
+            if isinstance(node, MappingNode) and isinstance(part, str):
+                key_node, node = next(((k, v) for k, v in node.value if _plain_key(k) == part), (None, None))
+                if node is None:
+                    return None
+            elif isinstance(node, SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+                key_node, node = None, node.value[part]
+            else:
+                return None
+        return (None if key_node is None else _position(key_node)), _position(node)
 
     def locate(self, location: Path, *, prefer_key: bool = False) -> Position:
         """The position of ``location``, or of its nearest ancestor that exists in the file."""
         for end in range(len(location), -1, -1):
-            prefix = location[:end]
-            first, second = (self.keys, self.values) if prefer_key else (self.values, self.keys)
-            if prefix in first:
-                return first[prefix]
-            if prefix in second:
-                return second[prefix]
+            found = self._positions(location[:end])
+            if found is not None:
+                key, value = found
+                return key if prefer_key and key is not None else value
         return Position(1, 1)
 
     def diagnostic(
@@ -73,14 +163,16 @@ class SourceMap:
         """A diagnostic of check ``code`` at ``location``; ``offset`` is a column inside that scalar's text."""
         position = self.locate(location, prefer_key=prefer_key)
         column = position.column
-        if offset is not None and location in self.values:
+        if offset is not None and self._positions(location) is not None:
             column += offset + (1 if position.quoted else 0)
         return Diagnostic(self.path, position.line, column, severity, message, code)  # type: ignore[arg-type]
 
 
 class _Builder:
-    def __init__(self, source: SourceMap) -> None:
-        self.source = source
+    """The reference reader: values, the position of every key and value, and every problem."""
+
+    def __init__(self, path: str, keys: dict[Path, Position], values: dict[Path, Position]) -> None:
+        self.path, self.keys, self.values = path, keys, values
         self.constructor = SafeConstructor()
         self.problems: list[Diagnostic] = []
         self.nodes = 0
@@ -89,7 +181,7 @@ class _Builder:
         self.nodes += 1
         if self.nodes > MAX_NODES:
             raise _TooLarge
-        self.source.values[path] = _position(node)
+        self.values[path] = _position(node)
         if isinstance(node, yaml.MappingNode):
             result: dict[Any, Any] = {}
             for key_node, value_node in node.value:
@@ -97,10 +189,10 @@ class _Builder:
                 if key is None:
                     continue
                 if key in result:
-                    first = self.source.keys[(*path, key)]
+                    first = self.keys[(*path, key)]
                     self.problems.append(
                         Diagnostic(
-                            self.source.path,
+                            self.path,
                             key_node.start_mark.line + 1,
                             key_node.start_mark.column + 1,
                             "error",
@@ -110,7 +202,7 @@ class _Builder:
                     )
                     continue
                 self.nodes += 1  # a key is a node too: a mapping of many keys with tiny values is bounded the same
-                self.source.keys[(*path, key)] = _position(key_node)
+                self.keys[(*path, key)] = _position(key_node)
                 result[key] = self.build(value_node, (*path, key))
             return result
         if isinstance(node, yaml.SequenceNode):
@@ -122,9 +214,11 @@ class _Builder:
             return node.value  # most scalars; what SafeConstructor would return, without its dispatch
         # Refused before it is read: PyYAML would spend quadratic time on a decimal literal of
         # megabytes, and Python cannot even print one of more than 4300 digits.
-        if node.tag in (_INT_TAG, _FLOAT_TAG) and len(node.value) > 80:
+        if node.tag in (_INT_TAG, _FLOAT_TAG) and len(node.value) > _MAX_LITERAL:
             kind = "an integer" if node.tag == _INT_TAG else "a number"
-            raise _IntegerTooLarge(node, f"{kind} literal of {len(node.value)} characters is too long; at most 80 are read")
+            raise _IntegerTooLarge(
+                node, f"{kind} literal of {len(node.value)} characters is too long; at most {_MAX_LITERAL} are read"
+            )
         try:
             construct = self.constructor.yaml_constructors.get(node.tag)
             if construct is not None:  # the common case, without construct_object's recursion bookkeeping
@@ -147,7 +241,7 @@ class _Builder:
         if not isinstance(node, yaml.ScalarNode):
             self.problems.append(
                 Diagnostic(
-                    self.source.path,
+                    self.path,
                     node.start_mark.line + 1,
                     node.start_mark.column + 1,
                     "error",
@@ -170,20 +264,113 @@ class _IntegerTooLarge(Exception):
         self.node, self.what = node, what
 
 
+class _Unsure(Exception):
+    """The plain reader met something only the reference reports exactly."""
+
+
+_CONSTRUCTOR = SafeConstructor()
+"""For the plain reader's numbers and booleans: PyYAML's scalar constructors keep no state."""
+_CONSTRUCTORS = SafeConstructor.yaml_constructors
+"""The registry :meth:`_Builder._scalar` dispatches on; the plain reader takes only PyYAML's own
+constructors of numbers, booleans and null from it, so a program registering others gets the reference."""
+_PLAIN_CONSTRUCTORS = frozenset(
+    (SafeConstructor.construct_yaml_bool, SafeConstructor.construct_yaml_null, SafeConstructor.construct_yaml_float)
+)
+
+
+def _plain_scalar(node: ScalarNode) -> Any:
+    """What :meth:`_Builder._scalar` returns for a string, number, boolean or null; else :class:`_Unsure`."""
+    tag, text = node.tag, node.value
+    if tag == _STR_TAG:
+        return text
+    if len(text) > _MAX_LITERAL and tag in (_INT_TAG, _FLOAT_TAG):
+        raise _Unsure
+    construct = _CONSTRUCTORS.get(tag)
+    if construct is SafeConstructor.construct_yaml_int:
+        if text.isdigit() and text.isascii() and (text[0] != "0" or text == "0"):
+            value = int(text)  # what construct_yaml_int does with plain decimal digits
+        else:
+            value = construct(_CONSTRUCTOR, node)
+        if abs(value) > MAX_INTEGER:
+            raise _Unsure
+        return value
+    if construct in _PLAIN_CONSTRUCTORS:
+        return construct(_CONSTRUCTOR, node)
+    raise _Unsure
+
+
+def _plain_key(node: yaml.Node) -> str:
+    """A mapping key of a document the plain reader read, as it read it."""
+    if node.tag == _STR_TAG:
+        return node.value  # type: ignore[no-any-return]
+    key = _plain_scalar(node)
+    return key if key.__class__ is str else str(key)
+
+
+def _plain_value(root: yaml.Node) -> Any:
+    """``root``'s value exactly as :class:`_Builder` builds it, without positions. Raises
+    :class:`_TooLarge` where the reference would (nodes counted alike, in the same order, and
+    nothing before them refused), else :class:`_Unsure` (or any error PyYAML raises) where the
+    reference might report a problem: a duplicate or collection key, a tag other than
+    str/int/float/bool/null, a number beyond what is read, nesting beyond :data:`_PLAIN_DEPTH`."""
+    count = 1  # as the reference counts: every value (an alias at each use) and every key
+
+    def collection(node: yaml.Node, depth: int) -> Any:
+        nonlocal count
+        if depth > _PLAIN_DEPTH:
+            raise _Unsure
+        kind = node.__class__
+        if kind is MappingNode:
+            result: dict[str, Any] = {}
+            for key_node, value_node in node.value:
+                if key_node.__class__ is not ScalarNode:
+                    raise _Unsure
+                key = key_node.value if key_node.tag == _STR_TAG else _plain_key(key_node)
+                if key in result:
+                    raise _Unsure
+                count += 2  # the key, and the value about to be built
+                if count > MAX_NODES:
+                    raise _TooLarge
+                if value_node.__class__ is ScalarNode:
+                    result[key] = value_node.value if value_node.tag == _STR_TAG else _plain_scalar(value_node)
+                else:
+                    result[key] = collection(value_node, depth + 1)
+            return result
+        if kind is SequenceNode:
+            items: list[Any] = []
+            for item in node.value:
+                count += 1
+                if count > MAX_NODES:
+                    raise _TooLarge
+                if item.__class__ is ScalarNode:
+                    items.append(item.value if item.tag == _STR_TAG else _plain_scalar(item))
+                else:
+                    items.append(collection(item, depth + 1))
+            return items
+        raise _Unsure  # a node class of PyYAML's own the reference would judge
+
+    if root.__class__ is ScalarNode:
+        return _plain_scalar(root)
+    return collection(root, 1)
+
+
 def _position(node: yaml.Node) -> Position:
     quoted = isinstance(node, yaml.ScalarNode) and node.style in ("'", '"')
     return Position(node.start_mark.line + 1, node.start_mark.column + 1, quoted)
 
 
-def parse(text: str, path: str) -> tuple[Any, SourceMap, list[Diagnostic]]:
-    """Parse one YAML document; return its value, its source map and any problems found."""
+def parse(text: str, path: str, *, reference: bool = False) -> tuple[Any, SourceMap, list[Diagnostic]]:
+    """Parse one YAML document; return its value, its source map and any problems found.
+
+    ``reference``: read the slow way, with PyYAML's own safe loader and :class:`_Builder` alone
+    (positions at once); the result is the same, which the tests hold the fast way to."""
     source = SourceMap(path)
     if len(text.encode("utf-8", errors="replace")) > MAX_DOCUMENT_BYTES:
         return None, source, [
             Diagnostic(path, 1, 1, "error", f"document is larger than {MAX_DOCUMENT_BYTES} bytes", "KVP003")
         ]
     try:
-        nodes = list(yaml.compose_all(text, Loader=_LOADER))
+        nodes = list(yaml.compose_all(text, Loader=_BASE_LOADER if reference else _Loader))
     except yaml.reader.ReaderError as error:
         # Not a marked error: PyYAML gives the offset of the character in the text, not a line.
         before = text[: error.position]
@@ -215,11 +402,29 @@ def parse(text: str, path: str) -> tuple[Any, SourceMap, list[Diagnostic]]:
                 path, mark.line + 1, mark.column + 1, "error", "one document per file; remove the '---' separator", "KVP002"
             )
         ]
-    builder = _Builder(source)
+    if not reference:
+        try:
+            value = _plain_value(nodes[0])
+        except _TooLarge:  # the reference's answer, without walking an alias bomb a second time
+            return None, source, [_too_many_nodes(path)]
+        except Exception:  # noqa: BLE001 - anything the plain reader does not take, the reference judges
+            return _reference_value(nodes[0], source)
+        return value, SourceMap(path, nodes[0]), []
+    return _reference_value(nodes[0], source)
+
+
+def _too_many_nodes(path: str) -> Diagnostic:
+    return Diagnostic(path, 1, 1, "error", f"document has more than {MAX_NODES} nodes", "KVP003")
+
+
+def _reference_value(root: yaml.Node, source: SourceMap) -> tuple[Any, SourceMap, list[Diagnostic]]:
+    """:class:`_Builder`'s value of ``root``, filling ``source``, and every problem it found."""
+    path = source.path
+    builder = _Builder(path, source.keys, source.values)
     try:
-        value = builder.build(nodes[0], ())
+        value = builder.build(root, ())
     except _TooLarge:
-        return None, source, [Diagnostic(path, 1, 1, "error", f"document has more than {MAX_NODES} nodes", "KVP003")]
+        return None, source, [_too_many_nodes(path)]
     except _IntegerTooLarge as error:
         line, column = _position(error.node)[:2]
         return None, source, [Diagnostic(path, line, column, "error", error.what, "KVP003")]

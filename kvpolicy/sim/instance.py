@@ -190,6 +190,10 @@ class Instance:
         self.timeout = timeout
         self.prompt = Prompt(fleet.token_ids, tuple(scheduler.block_hashes(fleet.token_ids, model.hash_block_size)))
         self._collective = ThreadGather(self.tp_size, timeout=timeout)
+        # Striped loads exchange stripes from the receive threads: a collective of their own, as on an
+        # engine (a dedicated gloo group), so that they never interleave with the audit's. Its timeout is
+        # shorter than a load's drain wait: a rank alone in an exchange fails its load, and is seen to.
+        self._exchange = ThreadGather(self.tp_size, timeout=timeout / 2)
         # One thread per rank for the instance's life, as the engine has one process per rank.
         self._pool = ThreadPoolExecutor(max_workers=self.tp_size, thread_name_prefix=f"sim-{name}")
         self._saves: dict[tuple[int, str], SaveRequest] = {}
@@ -204,7 +208,8 @@ class Instance:
             started = self._on_ranks(
                 range(self.tp_size),
                 lambda tp_rank: Rank.start(
-                    model, policy, tp_rank, stores[tp_rank], gather=self._collective.member(tp_rank)
+                    model, policy, tp_rank, stores[tp_rank], gather=self._collective.member(tp_rank),
+                    exchange=self._exchange.member(tp_rank),
                 ),
                 cleanup=Rank.stop,
             )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
@@ -77,6 +79,7 @@ def build_model(
     *,
     model_name: str,
     blocks_needed: int,
+    blocks_per_group: int = 0,
     extra_config: Mapping[str, object] = MappingProxyType({}),
     dcp_size: int = 1,
     kv_cache_layout: str | None = None,
@@ -84,7 +87,8 @@ def build_model(
 ) -> SimulatedModel:
     """vLLM's ``KVCacheConfig`` for ``archetype`` at ``tp_size``: layers grouped by vLLM's
     ``get_kv_cache_groups`` and sized by ``get_kv_cache_config_from_groups`` for ``blocks_needed``
-    blocks, with prefix caching and Mamba ``align`` mode on, as a hybrid engine runs.
+    blocks plus ``blocks_per_group`` per prefix-cacheable group (block ids come from one pool for all
+    groups), with prefix caching and Mamba ``align`` mode on, as a hybrid engine runs.
     ``extra_config`` is the ``kv_connector_extra_config`` the workers read. ``dcp_size`` > 1 runs
     decode-context parallelism: vLLM's CPU platform refuses it when the config is validated, so it is
     set on the parallel config afterwards, where the coordinator and the block-size resolution read it.
@@ -111,8 +115,16 @@ def build_model(
     supported = [kv_cache_layout] if kv_cache_layout else [layout.name for layout in get_supported_kv_cache_layouts(())]
     resolve_kv_cache_layout(vllm_config, [supported], specs.values())
     groups = get_kv_cache_groups(vllm_config, dict(specs))
+    blocks_needed += blocks_per_group * sum(1 for group in groups if group.kv_cache_spec.prefix_cacheable)
     bytes_per_block = sum(spec.page_size_bytes for spec in specs.values())
     kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, blocks_needed * bytes_per_block)
+    if kv_cache_config.num_blocks > blocks_needed:
+        # Where vLLM shares tensors between groups, a block costs less than every layer's page: size the
+        # memory again for the blocks asked for (at real page sizes the first guess runs into GiBs).
+        per_block = blocks_needed * bytes_per_block / kv_cache_config.num_blocks
+        resized = get_kv_cache_config_from_groups(vllm_config, groups, math.ceil((blocks_needed + 1) * per_block))
+        if resized.num_blocks >= blocks_needed:
+            kv_cache_config = resized
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     return SimulatedModel(

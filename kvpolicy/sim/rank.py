@@ -53,6 +53,7 @@ class Rank:
         client: Any,
         *,
         gather: Callable[[Any], Sequence[Any]],
+        exchange: Callable[[Any], Sequence[Any]] | None = None,
     ) -> Rank:
         """Rank ``tp_rank`` of ``model`` under ``policy`` (None: vLLM's own rules), registered and running."""
         store = RecordingStore(client)
@@ -68,7 +69,7 @@ class Rank:
         else:
             worker = KVPolicyStoreWorker.standalone(
                 model.vllm_config, model.kv_cache_config, policy=policy, ranks=ranks, store=store, model=model.name,
-                total_num_kv_heads=model.total_num_kv_heads, gather=gather,
+                total_num_kv_heads=model.total_num_kv_heads, gather=gather, exchange=exchange,
             )
         layout = model.vllm_config.cache_config.get_resolved_kv_cache_layout()
         kv_caches = allocate_kv_cache(model.kv_cache_config, torch.device("cpu"), layout)

@@ -235,6 +235,10 @@ class BlockReader:
         self._starts = sorted(storages)
         self._views = [storages[start] for start in self._starts]
 
+    def region(self, address: int, size: int) -> torch.Tensor:
+        """A uint8 view (shared memory: writable) of ``size`` bytes of a registered tensor at ``address``."""
+        return self._slice(address, size)
+
     def _slice(self, address: int, size: int) -> torch.Tensor:
         index = bisect.bisect_right(self._starts, address) - 1
         if index < 0:

@@ -32,7 +32,7 @@ from kvpolicy.dumper import dump_layout
 from kvpolicy.engine import make_plan
 from kvpolicy.keys import KeyContext, model_basename
 from kvpolicy.loader import schemas_dir
-from kvpolicy.models import Layout, Policy, Topology
+from kvpolicy.models import Layout, LoadMode, Policy, Topology
 from kvpolicy.plan import Plan
 from kvpolicy.report import format_plan_table, plan_to_json
 from kvpolicy.store_layout import StoreSharding
@@ -44,6 +44,7 @@ from kvpolicy.vllm.lookup import lookup as probing_lookup
 from kvpolicy.vllm.metrics import CountingStore, KVPolicyConnectorStats, Tally, dedup_multiplier
 from kvpolicy.vllm.send import MergedSaveSendingThread
 from kvpolicy.vllm.standalone import Ranks, init_standalone
+from kvpolicy.vllm.striped import StripedReadStore, exchange_over_tp, striping_possible
 
 # Under "vllm." so records reach vLLM's own handler (it configures only the "vllm" logger tree).
 logger = init_logger(f"vllm.{__name__}")
@@ -131,14 +132,19 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         model: str,
         total_num_kv_heads: int,
         gather: Callable[[Any], Sequence[Any]],
+        exchange: Callable[[Any], Sequence[Any]] | None = None,
     ) -> Self:
         """This worker without vLLM's distributed runtime (:mod:`kvpolicy.vllm.standalone`): the
         ranks, the store client and the TP collective are given instead of read off torch.distributed
         (``gather(payload)`` returns every TP rank's payload, indexed by TP rank, as
-        :func:`~kvpolicy.vllm.audit.gather_over_tp` does over gloo). Plans, audits, gates lookups and
-        schedules puts exactly as on an engine; :mod:`kvpolicy.sim` runs its ranks this way."""
+        :func:`~kvpolicy.vllm.audit.gather_over_tp` does over gloo), and ``exchange`` the same for striped
+        loads, called from the receive thread (:func:`~kvpolicy.vllm.striped.exchange_over_tp` on an
+        engine). Plans, audits, gates lookups, schedules puts and stripes loads exactly as on an engine;
+        :mod:`kvpolicy.sim` runs its ranks this way."""
         worker = cls.__new__(cls)
-        worker._init_policy_state(policy, vllm_config, model=model, is_first_rank=ranks.is_first, gather=gather)
+        worker._init_policy_state(
+            policy, vllm_config, model=model, is_first_rank=ranks.is_first, gather=gather, exchange=exchange
+        )
         init_standalone(
             worker, vllm_config, kv_cache_config, ranks=ranks, store=store, model=model,
             total_num_kv_heads=total_num_kv_heads,
@@ -155,6 +161,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         model: str,
         is_first_rank: bool,
         gather: Callable[[Any], Sequence[Any]],
+        exchange: Callable[[Any], Sequence[Any]] | None = None,
     ) -> None:
         """What the override points read besides upstream's own attributes (model and cache prefix
         exactly as upstream reads them for ``KeyMetadata``; where rank 0 captures the layout)."""
@@ -166,6 +173,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._model = model
         self._cache_prefix = str(extra_config.get("cache_prefix", ""))
         self._gather = gather
+        self._exchange = exchange
         self._last_lookup_gated = False
         self._last_lookup_probes = LookupProbes()
         self._store_namespace = ""
@@ -353,6 +361,32 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             # One exists check and one put per job for boundary states and chunks together; outside
             # the counting view, so that it counts the boundary keys riding on the chunk calls.
             MergedSaveSendingThread.adopt(self.kv_send_thread)
+        self._stripe_loads()
+
+    def _stripe_loads(self) -> None:
+        """Under ``load: striped``, give the receive threads the striping view of the store."""
+        plan = self._require_plan()
+        replicated = any(len(rank.replica_set) > 1 for group in plan.groups for rank in group.ranks)
+        if plan.load is not LoadMode.STRIPED or not replicated or not self.kv_recv_threads:
+            return  # the same decision on every rank: it depends on the plan alone
+        why = striping_possible(
+            recv_threads=len(self.kv_recv_threads), disk_offload_budget=self.disk_offload_buffer_budget_bytes
+        )
+        if why is not None:
+            if self.tp_rank == 0:
+                logger.warning("kvpolicy: load: striped falls back to reads on every rank: %s", why)
+            return
+        exchange = self._exchange if self._exchange is not None else exchange_over_tp()
+        assert self._block_reader is not None
+        for thread in self.kv_recv_threads:
+            thread.store = StripedReadStore(
+                thread.store,
+                tp_rank=self.tp_rank,
+                plan=self._require_plan,
+                group_of_key=self._group_of_key,
+                exchange=exchange,
+                region=self._block_reader.region,
+            )
 
     def _group_of_key(self, key: str) -> int | None:
         """The group a store key of this rank belongs to (None for a key of no namespace it writes)."""

@@ -181,6 +181,18 @@ def test_tp2_one_kv_head_writes_each_chunk_once(store: Store, models, tmp_path: 
     assert warm_traffic.objects_read == FULL_CHUNKS * NUM_GROUPS * 2
 
 
+def test_tp2_one_kv_head_striped_load_reads_each_chunk_once(store: Store, models, tmp_path: Path) -> None:
+    # The same pair of identical ranks, warm under load: striped: each rank reads half of the chunks
+    # from Mooncake and receives the other half from its peer over the TP group's gloo group.
+    model = models("tiny-llama-tp2-kv1-striped", kv_heads=1)
+    striped = tmp_path / "default-striped.yaml"
+    striped.write_text((REPO / "policies" / "default.yaml").read_text(encoding="utf-8") + "load: striped\n")
+    cold, _ = store.serve(model, tp_size=2, policy="default")
+    warm, warm_traffic = store.serve(model, tp_size=2, policy=striped)
+    assert_warm_matches_cold(cold, warm)
+    assert warm_traffic.objects_read == FULL_CHUNKS * NUM_GROUPS  # per rank: FULL_CHUNKS * 2
+
+
 def test_tp2_distinct_heads_default_policy_matches(store: Store, models) -> None:
     # Two KV heads at TP=2: each rank holds its own head, so each rank writes and reads its own.
     model = models("tiny-llama-tp2-kv2-default", kv_heads=2)

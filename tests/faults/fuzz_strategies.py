@@ -64,7 +64,7 @@ EXPRESSION_SECONDS = 1.0
 
 FIELD_NAMES = sorted(
     {
-        "version", "kind", "name", "description", "rules", "unmatched", "strict", "combine", "schedule", "key",
+        "version", "kind", "name", "description", "rules", "unmatched", "strict", "combine", "schedule", "load", "key",
         "audit", "spec_fields", "template", "mode", "steps", "match", "when", "replication", "factor", "shards",
         "reason", "spec", "fields", "layers", "model", "source", "total_num_kv_heads", "groups", "uniform", "type",
         "bases", "block_size", "page_size_bytes", "max_tp_shards", "tp_replicated", "num_kv_heads", "head_size",
@@ -298,6 +298,7 @@ def policy_documents() -> st.SearchStrategy[dict[str, Any]]:
             "strict": scalars(),
             "combine": st.one_of(st.just("gcd"), scalars()),
             "schedule": st.one_of(st.sampled_from(("striped", "leader", "all")), scalars()),
+            "load": st.one_of(st.sampled_from(("per-rank", "striped")), scalars()),
             "key": st.one_of(st.fixed_dictionaries({"template": st.one_of(key_templates(), scalars())}), scalars()),
             "audit": st.one_of(
                 st.fixed_dictionaries({}, optional={"mode": st.sampled_from(("warn", "enforce", "off", "x")),
