@@ -29,12 +29,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import Moo
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager, SlidingWindowManager
 
 logger = init_logger(f"vllm.{__name__}")
 
 __all__ = [
     "ASCENDING_FIRST_BATCH",
+    "EVERYTHING",
     "LookupProbes",
     "ProbingBlockPool",
     "SearchReads",
@@ -48,6 +49,10 @@ ASCENDING_FIRST_BATCH = 8
 """Chunks a full-attention group probes first (its search walks up from chunk 0); the rest of its
 candidates follow in one batch if all of those are stored. A prompt nobody stored costs this many
 keys per namespace, not every chunk."""
+
+
+class _ProbeFailed(Exception):
+    """The store could not answer a ``batch_is_exist`` of the lookup."""
 
 
 @dataclasses.dataclass
@@ -68,19 +73,28 @@ class Walk(NamedTuple):
     """Chunks a descending search needs at one position (a sliding window's, 1 for a Mamba state)."""
 
 
+EVERYTHING = Walk(ascending=True, first_window=0)
+"""A search whose walk is not known here: all of its candidates in one batch, as vLLM's lookup does."""
+
+
 def walks(coord: Any) -> dict[int, Walk]:
-    """Per group id, how the coordinator's hit search for its spec walks."""
+    """Per group id, how the coordinator's hit search walks, by its manager class: full attention up,
+    Mamba and sliding window down; any other manager (chunked local attention, a plugin's) gets every
+    candidate in one batch."""
     found: dict[int, Walk] = {}
     for group in coord.attention_groups:
-        if isinstance(group.spec, FullAttentionSpec):
+        # The exact classes: a subclass may search its own way (RSWA, circular buffers, sinks).
+        manager = group.manager_cls
+        if manager is FullAttentionManager:
             walk = Walk(ascending=True)
+        elif manager is MambaManager:
+            walk = Walk(ascending=False)
+        elif manager is SlidingWindowManager:
+            spec = group.spec
+            needed = manager._contiguous_blocks_for_hit(spec.sliding_window, spec.block_size, group.use_eagle)
+            walk = Walk(ascending=False, first_window=max(1, needed))
         else:
-            window = getattr(group.spec, "sliding_window", None)
-            contiguous = getattr(group.manager_cls, "_contiguous_blocks_for_hit", None)
-            needed = 1
-            if window and contiguous is not None:
-                needed = max(1, contiguous(window, group.spec.block_size, group.use_eagle))
-            walk = Walk(ascending=False, first_window=needed)
+            walk = EVERYTHING
         found.update(dict.fromkeys(group.group_ids, walk))
     return found
 
@@ -100,7 +114,9 @@ class _Probe:
     def window(self, index: int) -> list[int]:
         """The candidates to probe with ``index``: onward for an ascending search, downward (doubling
         each time) for a descending one; stops at the first already known."""
-        if self.walk.ascending:
+        if self.walk is EVERYTHING:
+            indices = range(len(self.hashes))
+        elif self.walk.ascending:
             size = ASCENDING_FIRST_BATCH if not self.known else len(self.hashes)
             indices = range(index, min(len(self.hashes), index + size))
         else:
@@ -146,7 +162,7 @@ class ProbingBlockPool(ExternalCachedBlockPool):
                 hashes,
                 {value: index for index, value in enumerate(hashes)},
                 prefixes[group],
-                group_walks.get(group, Walk(ascending=True)),
+                group_walks.get(group, EVERYTHING),
             )
             for group, hashes in candidates.items()
         }
@@ -257,11 +273,11 @@ def lookup(
         started = time.perf_counter()
         try:
             results = worker.store.batch_is_exist(keys)
-        except Exception:
+        except Exception as error:
             worker._record_kv_connector_operation(
                 "lookup_exists", time.perf_counter() - started, len(keys), status="error", num_failed_keys=len(keys)
             )
-            raise
+            raise _ProbeFailed(error) from error
         worker._record_kv_connector_operation("lookup_exists", time.perf_counter() - started, len(keys))
         return results
 
@@ -274,8 +290,9 @@ def lookup(
                 return MooncakeLookupResult(0), pool.probes
             _, hit_length = coord.find_longest_cache_hit(block_hashes, usable_length, pool)
         boundaries = worker._tail_key_boundaries(block_hashes, hit_length, pool)
-    except Exception as error:
-        logger.error("Remote connection failed in lookup: %s", error)
+    except _ProbeFailed as error:
+        # As vLLM's lookup: a store that cannot answer is a miss. Anything else is a bug, and raises.
+        logger.error("Remote connection failed in lookup: %s", error.__cause__)
         return MooncakeLookupResult(0), pool.probes
     return MooncakeLookupResult(hit_length, boundaries), pool.probes
 

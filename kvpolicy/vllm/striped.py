@@ -12,8 +12,9 @@ one result per key, as upstream does. The wrapper reads the keys this rank owns 
 group without replicas), gathers every TP rank's stripe (``exchange``, an ``all_gather_object`` of the
 TP ranks: a dedicated gloo group on an engine, :class:`~kvpolicy.sim.collective.ThreadGather` in the
 simulation), copies the other members' stripes into its own blocks, and reports a key as failed
-wherever its owner could not read it, or the exchange failed: vLLM then recomputes those blocks, as it
-does for any failed get. No key is reported loaded whose bytes did not arrive whole.
+wherever its owner could not read it, or the exchange failed: vLLM then handles those blocks as any failed
+get (``kv_load_failure_policy``: ``recompute`` recomputes them, the default ``fail`` fails the request). No key
+is reported loaded whose bytes did not arrive whole.
 
 Every TP rank must make the same exchanges in the same order: one per ``batch_get_into_multi_buffers``
 call, which holds while a rank has one receive thread and no disk-offload staging budget (one get per
@@ -95,6 +96,9 @@ class StripedReadStore:
         self._region = region
         self._lock = threading.Lock()
         self.counts = StripeCounts()
+        self.broken = False
+        """An exchange failed: this rank reads per rank from then on (its peers stop once their own
+        exchange fails in turn), rather than failing every striped chunk of every later load."""
 
     @property
     def inner(self) -> Any:
@@ -121,6 +125,8 @@ class StripedReadStore:
     def batch_get_into_multi_buffers(
         self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]], *args: Any
     ) -> list[int]:
+        if self.broken:
+            return self._store.batch_get_into_multi_buffers(keys, addrs, sizes, *args)
         plan = self._plan()
         owners = self._owners(plan, keys)
         mine = [index for index in range(len(keys)) if owners.get(index, self._tp_rank) == self._tp_rank]
@@ -135,13 +141,16 @@ class StripedReadStore:
         finally:
             for index, code in zip(mine, read, strict=False):
                 results[index] = int(code)
-            # Always take part in the exchange, even after a failed get: a rank that skipped it would
-            # hang every other rank of the TP group.
-            stripe = {
-                keys[index]: self._pack(addrs[index], sizes[index])
-                for index in mine
-                if index in owners and results[index] >= 0
-            }
+            # Always take part in the exchange, even after a failed get or pack: a rank that skipped it
+            # would leave every other rank of the TP group waiting for it.
+            stripe: dict[str, bytes] = {}
+            try:
+                for index in mine:
+                    if index in owners and results[index] >= 0:
+                        stripe[keys[index]] = self._pack(addrs[index], sizes[index])
+            except Exception:
+                logger.exception("kvpolicy striped load: tp rank %d could not pack its stripe", self._tp_rank)
+                stripe = {}
             self._receive(keys, addrs, sizes, owners, results, stripe)
         with self._lock:
             self.counts.keys_read += len(mine)
@@ -164,8 +173,12 @@ class StripedReadStore:
         try:
             stripes = list(self._exchange(stripe))
         except Exception:
-            logger.exception("kvpolicy striped load: tp rank %d could not exchange its stripe", self._tp_rank)
+            logger.exception(
+                "kvpolicy striped load: tp rank %d could not exchange its stripe; it reads every chunk itself now",
+                self._tp_rank,
+            )
             stripes = None
+            self.broken = True
         received = failed = received_bytes = 0
         for index, owner in owners.items():
             if owner == self._tp_rank:
@@ -191,7 +204,7 @@ class StripedReadStore:
             self.counts.keys_failed += failed
         if failed:
             logger.warning(
-                "kvpolicy striped load: %d keys of tp rank %d did not arrive from their owners; vLLM recomputes them",
+                "kvpolicy striped load: %d keys of tp rank %d did not arrive from their owners: failed gets",
                 failed, self._tp_rank,
             )
 

@@ -34,7 +34,6 @@ CASES = [
     pytest.param(name, tp, id=f"{name}-tp{tp}")
     for name in ARCHETYPES
     for tp in (2, 4)
-    if not (name == "kimi-linear" and tp > 4)
 ]
 
 
@@ -119,3 +118,27 @@ def test_a_prompt_nobody_stored_costs_a_few_keys_not_every_chunk(
         assert worker.last_lookup_probes.keys == 8
         # vLLM: every chunk of every group in every namespace.
         assert probed_by_vllm == NUM_TOKENS // 16 * sum(len(group.lookup_namespaces) for group in warm.plan.groups)
+
+
+def test_a_search_walk_not_known_here_probes_every_candidate_at_once() -> None:
+    """Chunked local attention's manager walks its own way: one batch, as vLLM's lookup, not a call per chunk."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import MooncakeStoreCoordinator
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroupSpec, MambaSpec
+
+    from kvpolicy.vllm.lookup import EVERYTHING, Walk, walks
+
+    def attention(cls: type, **fields: object) -> object:
+        return cls(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.float16, **fields)
+
+    coord = MooncakeStoreCoordinator(
+        [
+            KVCacheGroupSpec(["full"], attention(FullAttentionSpec)),
+            KVCacheGroupSpec(["local"], attention(ChunkedLocalAttentionSpec, attention_chunk_size=64)),
+            KVCacheGroupSpec(["state"], MambaSpec(block_size=16, shapes=((4,),), dtypes=(torch.float32,))),
+        ],
+        16,
+        16,
+    )
+    assert walks(coord) == {0: Walk(ascending=True), 1: EVERYTHING, 2: Walk(ascending=False)}
+    assert walks(coord)[1] is EVERYTHING
