@@ -60,7 +60,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -71,7 +70,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import median_ci, table, verdict
+from _common import median_ci, table, verdict  # noqa: E402
+from bench_e2e import Engine  # noqa: E402
 
 TTFT_TARGET = 1.03
 """kvpolicy TTFT / no-connector TTFT at most this."""
@@ -238,59 +238,6 @@ def _profile_lines(profiler: Any, top: int) -> list[str]:
 # --- the parent -----------------------------------------------------------------------------------
 
 
-class Engine:
-    """One engine process, driven one request at a time (an idle engine blocks on its stdin)."""
-
-    def __init__(self, name: str, spec: dict[str, Any], env: dict[str, str], scratch: Path) -> None:
-        self.name = name
-        spec_path = scratch / f"spec-{name}-{uuid.uuid4().hex[:8]}.json"
-        spec_path.write_text(json.dumps(spec))
-        self.log = scratch / f"{spec_path.stem}.log"
-        self._err = self.log.open("w")
-        self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-            env=env,
-            cwd=scratch,
-            text=True,
-            start_new_session=True,
-        )
-
-    def _reply(self) -> dict[str, Any]:
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if not line:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(10)
-            tail = "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-40:])
-            raise RuntimeError(f"{self.name} engine exited with {self.process.returncode}; stderr tail:\n{tail}")
-        return json.loads(line)
-
-    def ready(self) -> dict[str, Any]:
-        return self._reply()
-
-    def send(self, command: dict[str, Any]) -> dict[str, Any]:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
-        return self._reply()
-
-    def stop(self) -> None:
-        from kvpolicy.vllm.e2e import kill_group
-
-        with contextlib.suppress(OSError, ValueError):
-            assert self.process.stdin is not None
-            self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            self.process.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(15)
-        # Its own process group (start_new_session), by its PID: the engine and anything it started.
-        kill_group(self.process)
-        self._err.close()
-
-
 class Prompts:
     """Fresh random prompts: no two share their first chunk, so none is a prefix hit on another."""
 
@@ -396,7 +343,10 @@ def run_set(
                 "warmup_prompts": prompts.take(20 * (1 + args.batch)),
                 "warmup_s": args.warmup_seconds,
             }
-            engines[name] = Engine(name, spec, _engine_environment(store_config, args.omp_threads), scratch)
+            engines[name] = Engine(
+                name, spec, _engine_environment(store_config, args.omp_threads), scratch, timeout=600.0,
+                script=Path(__file__).resolve(), quit_command={"op": "quit"},
+            )
             # One at a time: start-up and warm-up of several would compete for the cores.
             ready = engines[name].ready()
             print(f"  set {index + 1}: {name} engine ready (start-up {ready['startup_s']:.1f} s)", file=sys.stderr)

@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -132,17 +131,29 @@ def child(spec_path: str) -> int:
 
 
 class Engine:
-    """One engine process, driven one request at a time."""
+    """One engine process, driven one request at a time (an idle engine blocks on its stdin): ``script``
+    run with ``--child SPEC`` (this file's :func:`child` by default), stopped with ``quit_command``."""
 
-    def __init__(self, name: str, spec: dict[str, Any], env: dict[str, str], scratch: Path, timeout: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: dict[str, Any],
+        env: dict[str, str],
+        scratch: Path,
+        timeout: float,
+        *,
+        script: Path = Path(__file__).resolve(),
+        quit_command: dict[str, Any] | None = None,
+    ) -> None:
         self.name = name
         self.timeout = timeout
+        self._quit = quit_command or {"quit": True}
         spec_path = scratch / f"spec-{name}-{uuid.uuid4().hex[:8]}.json"
         spec_path.write_text(json.dumps(spec))
         self.log = scratch / f"{spec_path.stem}.log"
         self._err = self.log.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)],
+            [sys.executable, str(script), "--child", str(spec_path)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._err,
@@ -156,7 +167,8 @@ class Engine:
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
         if not line:
-            self.process.wait(10)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(10)
             tail = "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-40:])
             raise RuntimeError(f"{self.name} engine exited with {self.process.returncode}; stderr tail:\n{tail}")
         return json.loads(line)
@@ -164,26 +176,26 @@ class Engine:
     def ready(self) -> dict[str, Any]:
         return self._reply()
 
-    def request(self, prompt: list[int]) -> dict[str, Any]:
+    def send(self, command: dict[str, Any]) -> dict[str, Any]:
         assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"prompt": prompt}) + "\n")
+        self.process.stdin.write(json.dumps(command) + "\n")
         self.process.stdin.flush()
         return self._reply()
 
+    def request(self, prompt: list[int]) -> dict[str, Any]:
+        return self.send({"prompt": prompt})
+
     def stop(self) -> None:
+        from kvpolicy.vllm.e2e import kill_group
+
         with contextlib.suppress(OSError, ValueError):
             assert self.process.stdin is not None
-            self.process.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.process.stdin.write(json.dumps(self._quit) + "\n")
             self.process.stdin.close()
-        try:
-            self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            pass
-        # Its own process group (start_new_session): the engine and anything it started.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(10)
+            self.process.wait(15)
+        # Its own process group (start_new_session), by its PID: the engine and anything it started.
+        kill_group(self.process)
         self._err.close()
 
 
