@@ -3,12 +3,14 @@
 Two facts shape this module. ``MooncakeDistributedStore.setup`` blocks about 90 s when no master
 listens, so :func:`connect_store` first checks that the port answers. And the client's transfer
 engine listens on all interfaces whatever ``local_hostname`` says (a Mooncake 0.3.13 limitation),
-so the one thing this module can guarantee is that it only ever *connects* to loopback.
+so the one thing this module can guarantee is that it only ever *connects* to loopback (or, when a
+config names one, to a private network of test hosts that exists only inside network namespaces).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import socket
@@ -37,6 +39,15 @@ def _is_loopback(host: str) -> bool:
     return host in _LOOPBACK_HOSTS or host.startswith("127.")
 
 
+def _in_network(host: str, network: str | None) -> bool:
+    if network is None:
+        return False
+    try:
+        return ipaddress.ip_address(host) in ipaddress.ip_network(network)
+    except ValueError:
+        return False
+
+
 def _format_size(size: int) -> int | str:
     # Whole MiB are written as vLLM's docs write them ("64MB" = 64 MiB to both parsers).
     return f"{size // MiB}MB" if size % MiB == 0 else size
@@ -44,12 +55,12 @@ def _format_size(size: int) -> int | str:
 
 @dataclass(frozen=True, kw_only=True)
 class ClientConfig:
-    """Arguments of ``MooncakeDistributedStore.setup``, restricted to loopback."""
+    """Arguments of ``MooncakeDistributedStore.setup``, restricted to loopback or one private network."""
 
     master_server_address: str
-    """``host:port`` of the master's RPC service; the host must be ``127.*`` or ``localhost``."""
+    """``host:port`` of the master's RPC service; the host must be ``127.*``, ``localhost`` or in ``network``."""
     local_hostname: str = "127.0.0.1"
-    """Address this client advertises to its peers; loopback too."""
+    """Address this client advertises to its peers; loopback or in ``network`` too."""
     metadata_server: str = "P2PHANDSHAKE"
     """Peer discovery; ``P2PHANDSHAKE`` needs no metadata server (the built-in one binds 0.0.0.0)."""
     protocol: str = "tcp"
@@ -60,6 +71,9 @@ class ClientConfig:
     """Bytes this client contributes to the store (objects of *any* client may land there)."""
     local_buffer_size: int = 16 * MiB
     """Bytes of this client's registered staging buffer."""
+    network: str | None = None
+    """A private subnet (``10.77.1.0/24``) whose addresses are allowed besides loopback: the hosts of a
+    test network made of namespaces (:mod:`kvpolicy.fleet.netns`). Never written to the config file."""
 
     def __post_init__(self) -> None:
         host, sep, port = self.master_server_address.rpartition(":")
@@ -67,10 +81,13 @@ class ClientConfig:
             raise ValueError(
                 f"master_server_address must be host:port, got {self.master_server_address!r}"
             )
-        if not _is_loopback(host):
-            raise ValueError(f"master_server_address must be on loopback, got {host!r}")
-        if not _is_loopback(self.local_hostname):
-            raise ValueError(f"local_hostname must be on loopback, got {self.local_hostname!r}")
+        if self.network is not None and not ipaddress.ip_network(self.network).is_private:
+            raise ValueError(f"network must be a private subnet, got {self.network!r}")
+        where = "loopback" if self.network is None else f"loopback or in {self.network}"
+        if not (_is_loopback(host) or _in_network(host, self.network)):
+            raise ValueError(f"master_server_address must be on {where}, got {host!r}")
+        if not (_is_loopback(self.local_hostname) or _in_network(self.local_hostname, self.network)):
+            raise ValueError(f"local_hostname must be on {where}, got {self.local_hostname!r}")
         if self.global_segment_size <= 0 or self.local_buffer_size <= 0:
             raise ValueError("global_segment_size and local_buffer_size must be positive")
 

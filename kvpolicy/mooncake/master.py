@@ -1,11 +1,11 @@
-"""Run a Mooncake master on loopback, for tests, benchmarks and local demos.
+"""Run a Mooncake master on loopback (or on a test host), for tests, benchmarks and local demos.
 
-``mooncake_master`` binds 0.0.0.0 by default; :class:`MooncakeMaster` always passes the
-loopback flags and keeps the optional servers (HTTP metadata, KV events, HA) switched off.
+``mooncake_master`` binds 0.0.0.0 by default; :class:`MooncakeMaster` always passes its host's
+address (127.0.0.1 unless a test host of a network of namespaces is given) and keeps the optional
+servers (HTTP metadata, KV events, HA) switched off.
 """
 
 from __future__ import annotations
-
 
 import ctypes
 import os
@@ -23,8 +23,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
+from kvpolicy.mooncake.host import LOOPBACK as LOOPBACK_HOST
+from kvpolicy.mooncake.host import NetworkHost
+
 if TYPE_CHECKING:
     from kvpolicy.mooncake.client import ClientConfig
+    from kvpolicy.mooncake.metrics import MasterCounters
 
 
 LOOPBACK = "127.0.0.1"
@@ -90,8 +94,11 @@ class MooncakeMaster:
         start_timeout: float = 20.0,
         object_lease_ms: int | None = None,
         client_ttl_s: int | None = None,
+        host: NetworkHost = LOOPBACK_HOST,
     ) -> None:
         self._binary = binary
+        self.host = host
+        """Where the master runs and listens: loopback, or a test host of a network of namespaces."""
         self._start_timeout = start_timeout
         self._object_lease_ms = object_lease_ms
         """Mooncake's object lease (its default is 10 s): a read slower than this fails with
@@ -108,13 +115,19 @@ class MooncakeMaster:
 
     @property
     def rpc_address(self) -> str:
-        """``127.0.0.1:<rpc port>``, what a client passes as ``master_server_address``."""
-        return f"{LOOPBACK}:{self.rpc_port}"
+        """``<host address>:<rpc port>``, what a client passes as ``master_server_address``."""
+        return f"{self.host.address}:{self.rpc_port}"
 
     @property
     def metrics_url(self) -> str:
         """Prometheus text endpoint of the master."""
-        return f"http://{LOOPBACK}:{self.metrics_port}/metrics"
+        return f"http://{self.host.address}:{self.metrics_port}/metrics"
+
+    def counters(self) -> MasterCounters:
+        """A snapshot of the traffic counters, read with the master host's network."""
+        from kvpolicy.mooncake.metrics import MasterCounters
+
+        return self.host.call(MasterCounters.read, self.metrics_url)
 
     @property
     def pid(self) -> int:
@@ -128,14 +141,19 @@ class MooncakeMaster:
             raise RuntimeError("the master has not been started")
         return self._log_path
 
-    def client_config(self, *, segment_mib: int = 64, buffer_mib: int = 16) -> ClientConfig:
-        """A loopback store-client config for this master, sized for a small machine."""
-        from kvpolicy.mooncake.client import MiB, ClientConfig  # client.py imports this module
+    def client_config(
+        self, *, segment_mib: int = 64, buffer_mib: int = 16, local_hostname: str = LOOPBACK, network: str | None = None
+    ) -> ClientConfig:
+        """A store-client config for this master, sized for a small machine: on loopback, or for a client
+        at ``local_hostname`` of the test ``network`` the master's host is on."""
+        from kvpolicy.mooncake.client import ClientConfig, MiB  # client.py imports this module
 
         return ClientConfig(
             master_server_address=self.rpc_address,
+            local_hostname=local_hostname,
             global_segment_size=segment_mib * MiB,
             local_buffer_size=buffer_mib * MiB,
+            network=network,
         )
 
     @property
@@ -143,9 +161,15 @@ class MooncakeMaster:
         """The process runs and its metrics endpoint answers."""
         if self._process is None or self._process.poll() is not None:
             return False
-        try:
+        return self._answers()
+
+    def _answers(self) -> bool:
+        def fetch() -> None:
             with urllib.request.urlopen(self.metrics_url, timeout=1.0) as response:
                 response.read()
+
+        try:
+            self.host.call(fetch)
             return True
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
@@ -162,23 +186,24 @@ class MooncakeMaster:
         self._log_path = Path(log_name)
         # A file, not a pipe: nobody drains the master's output while it runs.
         with os.fdopen(fd, "wb") as log:
+            address = self.host.address
             self._process = subprocess.Popen(
-                [
+                self.host.command([
                     binary,
-                    f"--rpc_address={LOOPBACK}",
+                    f"--rpc_address={address}",
                     f"--rpc_port={self.rpc_port}",
-                    f"--metrics_host={LOOPBACK}",
+                    f"--metrics_host={address}",
                     f"--metrics_port={self.metrics_port}",
                     # Off by default today; pinned so a changed default cannot open 0.0.0.0.
                     "--enable_http_metadata_server=false",
-                    f"--http_metadata_server_host={LOOPBACK}",
+                    f"--http_metadata_server_host={address}",
                     "--enable_kv_events=false",
                     "--enable_ha=false",
                     # glog to stderr (our log file), never to files of its own under /tmp.
                     "--logtostderr=true",
                     *([f"--default_kv_lease_ttl={self._object_lease_ms}"] if self._object_lease_ms else []),
                     *([f"--client_ttl={self._client_ttl_s}"] if self._client_ttl_s else []),
-                ],
+                ]),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -208,6 +233,16 @@ class MooncakeMaster:
         process = self._running()
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
+
+    def restart(self) -> None:
+        """SIGKILL the master and start a fresh one on the same address and ports: the store is empty,
+        and clients reconnect to it (a master that crashed and came back)."""
+        ports = (self.rpc_port, self.metrics_port)
+        self.kill()
+        self._process = None
+        if self._log_path is not None:
+            self._log_path.unlink(missing_ok=True)
+        self.start(ports=ports)
 
     def log_tail(self, lines: int = 20) -> str:
         """The last *lines* lines the master printed."""
@@ -243,12 +278,8 @@ class MooncakeMaster:
                     f"mooncake_master exited with code {process.returncode} during start-up;"
                     f" last output:\n{tail}{hint}"
                 )
-            try:
-                with urllib.request.urlopen(self.metrics_url, timeout=1.0) as response:
-                    response.read()
+            if self._answers():
                 return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
             if time.monotonic() > deadline:
                 raise MooncakeUnavailable(
                     f"mooncake_master did not answer on {self.metrics_url} within"

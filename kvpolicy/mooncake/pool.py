@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvpolicy.mooncake.client import MiB, ClientConfig, connect_store
+from kvpolicy.mooncake.client import ClientConfig, MiB, connect_store
 from kvpolicy.mooncake.master import MooncakeMaster
 
 __all__ = ["ClientPool"]

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpolicy.mooncake.host import LOOPBACK, NetworkHost
 from kvpolicy.mooncake.metrics import MasterCounters, delta
 
 RESULT_MARKER = "KVPOLICY_E2E_RESULT "
@@ -156,12 +157,18 @@ class SegmentHolder:
         segment_mib: int = 128,
         buffer_mib: int = 16,
         start_timeout: float = 60.0,
+        host: NetworkHost = LOOPBACK,
+        network: str | None = None,
     ) -> None:
         self._config = {
             "master_server_address": master_rpc_address,
+            "local_hostname": host.address,
             "global_segment_size": segment_mib * 1024 * 1024,
             "local_buffer_size": buffer_mib * 1024 * 1024,
+            "network": network,
         }
+        self._host = host
+        """Where the holder runs: loopback, or a host of a test ``network`` of namespaces."""
         self._start_timeout = start_timeout
         self._process: subprocess.Popen[bytes] | None = None
         self._log: Any = None
@@ -169,7 +176,7 @@ class SegmentHolder:
     def start(self) -> SegmentHolder:
         self._log = tempfile.TemporaryFile(mode="w+")
         self._process = subprocess.Popen(
-            [sys.executable, "-c", _HOLDER_SOURCE, json.dumps(self._config)],
+            self._host.command([sys.executable, "-c", _HOLDER_SOURCE, json.dumps(self._config)]),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -361,15 +368,17 @@ def serve_once(
     )
 
 
-def engine_env(tp_size: int, mooncake_config_path: str | os.PathLike[str]) -> dict[str, str]:
+def engine_env(
+    tp_size: int, mooncake_config_path: str | os.PathLike[str], *, address: str = "127.0.0.1"
+) -> dict[str, str]:
     """What a vLLM process on this CPU machine needs in its environment to run the connector offline,
-    on loopback, against the Mooncake store ``mooncake_config_path`` describes."""
+    at ``address`` (loopback, or its test host's), against the Mooncake store ``mooncake_config_path`` describes."""
     return {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
+        "VLLM_HOST_IP": address,
+        "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": address,
         "MOONCAKE_CONFIG_PATH": os.fspath(Path(mooncake_config_path).resolve()),
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpolicy.mooncake.host import LOOPBACK, NetworkHost
 from kvpolicy.vllm.e2e import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, child_env, engine_env, kill_group
 
 STARTUP_TIMEOUT_S = 300.0
@@ -40,6 +41,9 @@ class Completion:
     """The generated tokens as the server spells them (``logprobs.tokens``)."""
     logprobs: tuple[float, ...]
     """Log-probability of each generated token."""
+    cached_tokens: int | None = None
+    """Prompt tokens the server did not compute (``usage.prompt_tokens_details.cached_tokens``; only
+    with ``--enable-prompt-tokens-details``): with prefix caching off, the tokens loaded from the store."""
 
 
 def free_port() -> int:
@@ -71,14 +75,21 @@ class OpenAIServer:
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         dtype: str = "float32",
         extra_args: Sequence[str] = (),
+        host: NetworkHost = LOOPBACK,
+        client: NetworkHost | None = None,
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
+        self.host = host
+        """Where the server runs and binds: loopback, or a host of a test network of namespaces."""
+        self.client = client or host
+        """Whose network this object's own HTTP requests use (another host: they cross the network)."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host.address}:{self.port}"
         self._model = os.fspath(Path(model_dir).resolve())
         self._argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self._model,
-            "--host", "127.0.0.1", "--port", str(self.port),
+            "--host", host.address, "--port", str(self.port),
             "--tensor-parallel-size", str(tp_size),
             "--kv-transfer-config", kv_transfer_config,
             # What vLLM on CPU needs: eager mode, a block size its attention takes, a small context.
@@ -87,7 +98,7 @@ class OpenAIServer:
             *(["--distributed-executor-backend", "mp"] if tp_size > 1 else []),
             *extra_args,
         ]
-        self._env = child_env(engine_env(tp_size, mooncake_config_path), ())
+        self._env = child_env({**engine_env(tp_size, mooncake_config_path, address=host.address), **(extra_env or {})}, ())
         self._scratch = tempfile.TemporaryDirectory(prefix="kvpolicy-server-")
         self._log = Path(self._scratch.name) / "server.log"
         self._process: subprocess.Popen[bytes] | None = None
@@ -110,7 +121,7 @@ class OpenAIServer:
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         with self._log.open("wb") as log:
             self._process = subprocess.Popen(
-                self._argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self._env,
+                self.host.command(self._argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self._env,
                 cwd=self._scratch.name, start_new_session=True,
             )
         deadline = time.monotonic() + timeout
@@ -118,9 +129,8 @@ class OpenAIServer:
             if self._process.poll() is not None:
                 raise self._failed(f"the server exited with code {self._process.returncode} during start-up")
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
+                if self._get("/health", timeout=2) is not None:
+                    return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(1)
@@ -136,9 +146,12 @@ class OpenAIServer:
         request = urllib.request.Request(
             f"{self.url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
         )
-        try:
+        def send() -> dict[str, Any]:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return json.loads(response.read())
+
+        try:
+            return self.client.call(send)
         except urllib.error.HTTPError as error:
             raise self._failed(f"POST {path} answered {error.code}: {error.read()[:2000]!r}") from None
 
@@ -159,16 +172,29 @@ class OpenAIServer:
         )
         choice = answer["choices"][0]
         logprobs = choice.get("logprobs") or {}
+        details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
         return Completion(
             text=choice["text"],
             tokens=tuple(logprobs.get("tokens") or ()),
             logprobs=tuple(float(value) for value in logprobs.get("token_logprobs") or ()),
+            cached_tokens=None if details.get("cached_tokens") is None else int(details["cached_tokens"]),
         )
 
     def metrics(self) -> str:
         """The server's ``/metrics`` (Prometheus text exposition)."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
-            return response.read().decode()
+        return self._get("/metrics", timeout=10).decode()
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the server's main process, while it runs."""
+        return None if self._process is None else self._process.pid
+
+    def _get(self, path: str, *, timeout: float) -> bytes:
+        def fetch() -> bytes:
+            with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout) as response:
+                return response.read()
+
+        return self.client.call(fetch)
 
 
 def wait_until(condition: Callable[[], bool], *, timeout: float, interval: float = 0.5) -> bool:

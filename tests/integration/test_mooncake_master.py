@@ -257,6 +257,21 @@ def test_client_config_rejects_a_local_hostname_off_loopback() -> None:
         ClientConfig(master_server_address="127.0.0.1:50051", local_hostname="0.0.0.0")
 
 
+def test_client_config_takes_addresses_of_the_test_network_it_names() -> None:
+    config = ClientConfig(master_server_address="10.9.8.1:50051", local_hostname="10.9.8.2", network="10.9.8.0/24")
+    assert "network" not in config.to_json_dict()
+
+
+def test_client_config_rejects_an_address_outside_the_test_network_it_names() -> None:
+    with pytest.raises(ValueError, match=r"loopback or in 10\.9\.8\.0/24"):
+        ClientConfig(master_server_address="10.9.9.1:50051", network="10.9.8.0/24")
+
+
+def test_client_config_rejects_a_public_test_network() -> None:
+    with pytest.raises(ValueError, match="private"):
+        ClientConfig(master_server_address="8.8.8.8:50051", network="8.8.8.0/24")
+
+
 def test_connecting_where_no_master_listens_fails_at_once() -> None:
     (port,) = free_ports(1)
     started = time.monotonic()
