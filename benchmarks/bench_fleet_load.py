@@ -61,7 +61,10 @@ def measure(fleet: HostFleet, model: Path, name: str, args: argparse.Namespace) 
     warm_server = fleet.server("vllmb", model, tp_size=2, kv_transfer_config=config, extra_args=SERVER_ARGS)
     try:
         run_load(warm_server, prompts[:2], references[:2], clients=2, duration_s=5)  # warm-up, untimed
-        return run_load(warm_server, prompts, references, clients=args.clients, duration_s=args.seconds)
+        report = run_load(warm_server, prompts, references, clients=args.clients, duration_s=args.seconds)
+        if report.errors or report.percentile(0.99) > 5:
+            Path(f"/tmp/bench-fleet-{name}-server.log").write_text(warm_server.log)
+        return report
     finally:
         warm_server.stop()
 
@@ -101,6 +104,9 @@ def main() -> int:
             f"kvpolicy / stock: throughput {ours.throughput / stock.throughput:.2f},"
             f" p50 latency {ours.percentile(0.5) / stock.percentile(0.5):.2f}"
         )
+    for name, report in reports.items():
+        for sample in report.error_samples:
+            print(f"{name} error: {sample}")
     failed = any(report.errors or report.mismatches for report in reports.values())
     print("target (0 errors, 0 mismatches): " + ("MISSED" if failed else "met"))
     return 1 if failed else 0

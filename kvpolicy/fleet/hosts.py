@@ -79,6 +79,7 @@ class HostFleet:
         return self.network["client"]
 
     def __enter__(self) -> HostFleet:
+        self._scratch.mkdir(parents=True, exist_ok=True)
         self.network.start()
         try:
             self.master = MooncakeMaster(host=self.network["master"], client_ttl_s=self._client_ttl_s).start()

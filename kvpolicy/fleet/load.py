@@ -46,6 +46,8 @@ class LoadReport:
     cached_tokens: int
     """Prompt tokens the server reported it did not compute."""
     latencies_s: tuple[float, ...]
+    error_samples: tuple[str, ...] = ()
+    """The first few errors, as text."""
 
     @property
     def hit_rate(self) -> float:
@@ -88,6 +90,7 @@ def run_load(
         raise ValueError("one reference completion per prompt, and at least one prompt")
     lock = threading.Lock()
     latencies: list[float] = []
+    samples: list[str] = []
     counts = {"requests": 0, "errors": 0, "mismatches": 0, "prompt": 0, "cached": 0}
     deadline = time.monotonic() + duration_s
     started = time.monotonic()
@@ -102,10 +105,12 @@ def run_load(
             sent = time.monotonic()
             try:
                 completion = server.complete(prompts[which], max_tokens=max_tokens, timeout=request_timeout_s)
-            except Exception:  # noqa: BLE001 - any failure of a request is what this counts
+            except Exception as error:  # noqa: BLE001 - any failure of a request is what this counts
                 with lock:
                     counts["requests"] += 1
                     counts["errors"] += 1
+                    if len(samples) < 3:
+                        samples.append(f"{type(error).__name__} after {time.monotonic() - sent:.1f} s: {str(error)[:1500]}")
                 continue
             elapsed = time.monotonic() - sent
             with lock:
@@ -127,4 +132,5 @@ def run_load(
         prompt_tokens=counts["prompt"],
         cached_tokens=counts["cached"],
         latencies_s=tuple(sorted(latencies)),
+        error_samples=tuple(samples),
     )
