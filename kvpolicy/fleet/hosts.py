@@ -60,6 +60,7 @@ class HostFleet:
         vllm_hosts: Sequence[str] = ("vllma", "vllmb"),
         segment_mib: int = 256,
         client_ttl_s: int = 10,
+        object_lease_ms: int = 120_000,
     ) -> None:
         self._scratch = Path(scratch)
         self.segment_hosts = tuple(segment_hosts)
@@ -67,6 +68,9 @@ class HostFleet:
         self.network = Network(["master", *self.segment_hosts, *self.vllm_hosts, "client"])
         self._segment_mib = segment_mib
         self._client_ttl_s = client_ttl_s
+        self._object_lease_ms = object_lease_ms
+        """Mooncake's default lease (10 s) fails every read slower than it (LEASE_EXPIRED), which 8
+        clients on 2 cores were seen to hit; the other test masters run with 120 s too."""
         self.master: MooncakeMaster | None = None
         self.holders: dict[str, SegmentHolder] = {}
         self._servers: list[OpenAIServer] = []
@@ -82,7 +86,9 @@ class HostFleet:
         self._scratch.mkdir(parents=True, exist_ok=True)
         self.network.start()
         try:
-            self.master = MooncakeMaster(host=self.network["master"], client_ttl_s=self._client_ttl_s).start()
+            self.master = MooncakeMaster(
+                host=self.network["master"], client_ttl_s=self._client_ttl_s, object_lease_ms=self._object_lease_ms
+            ).start()
             for name in self.segment_hosts:
                 self.start_segment_host(name)
         except BaseException:
