@@ -20,7 +20,7 @@ from typing import Any
 
 from kvpolicy.fleet.netns import Host, Network
 from kvpolicy.mooncake.master import MooncakeMaster
-from kvpolicy.mooncake.metrics import MasterCounters, read_metrics
+from kvpolicy.mooncake.metrics import MasterCounters
 from kvpolicy.vllm.e2e import SegmentHolder, engine_store_config
 from kvpolicy.vllm.server import OpenAIServer
 
@@ -134,8 +134,7 @@ class HostFleet:
 
     def capacity_bytes(self) -> int:
         """Bytes of segment memory mounted at the master now (segment holders remount after a restart)."""
-        master = self._master()
-        return int(master.host.call(read_metrics, master.metrics_url).get("master_total_capacity_bytes", 0))
+        return int(self._master().metrics().get("master_total_capacity_bytes", 0))
 
     @property
     def full_capacity_bytes(self) -> int:

@@ -250,6 +250,7 @@ class Network:
 
     def close(self) -> None:
         """Kill every process on every host and delete the namespaces; safe to call twice."""
+        atexit.unregister(self.close)
         with self._lock:
             made, self._made = self._made, []
         for namespace in reversed(made):

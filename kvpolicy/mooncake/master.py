@@ -123,11 +123,17 @@ class MooncakeMaster:
         """Prometheus text endpoint of the master."""
         return f"http://{self.host.address}:{self.metrics_port}/metrics"
 
+    def metrics(self) -> dict[str, float]:
+        """The master's metrics, parsed, read with the master host's network."""
+        from kvpolicy.mooncake.metrics import read_metrics
+
+        return self.host.call(read_metrics, self.metrics_url)
+
     def counters(self) -> MasterCounters:
-        """A snapshot of the traffic counters, read with the master host's network."""
+        """A snapshot of the traffic counters."""
         from kvpolicy.mooncake.metrics import MasterCounters
 
-        return self.host.call(MasterCounters.read, self.metrics_url)
+        return MasterCounters.from_metrics(self.metrics())
 
     @property
     def pid(self) -> int:
