@@ -26,6 +26,9 @@ from kvpolicy.mooncake.host import LOOPBACK, NetworkHost
 from kvpolicy.vllm.e2e import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, child_env, engine_env, kill_group
 
 STARTUP_TIMEOUT_S = 300.0
+LOG_DIR_ENV = "KVPOLICY_SERVER_LOG_DIR"
+"""Environment variable naming a directory where every server's log is written and kept (by default
+a log lives in the server's scratch directory and goes with it): what a failed CI run uploads."""
 
 
 class ServerFailed(RuntimeError):
@@ -100,7 +103,10 @@ class OpenAIServer:
         ]
         self._env = child_env({**engine_env(tp_size, mooncake_config_path, address=host.address), **(extra_env or {})}, ())
         self._scratch = tempfile.TemporaryDirectory(prefix="kvpolicy-server-")
-        self._log = Path(self._scratch.name) / "server.log"
+        kept = os.environ.get(LOG_DIR_ENV)
+        self._log = (
+            Path(kept) / f"server-{host.address}-{self.port}.log" if kept else Path(self._scratch.name) / "server.log"
+        )
         self._process: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> OpenAIServer:
@@ -119,6 +125,7 @@ class OpenAIServer:
         return ServerFailed(f"{what}; server log tail:\n{tail}")
 
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        self._log.parent.mkdir(parents=True, exist_ok=True)
         with self._log.open("wb") as log:
             self._process = subprocess.Popen(
                 self.host.command(self._argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self._env,

@@ -31,7 +31,7 @@ from kvpolicy.fleet.load import run_load, shared_prefix_prompts  # noqa: E402
 from kvpolicy.fleet.netns import NetnsUnavailable, require_netns  # noqa: E402
 from kvpolicy.mooncake import delta  # noqa: E402
 from kvpolicy.vllm.e2e import DEFAULT_BLOCK_SIZE, fixed_prompt  # noqa: E402
-from kvpolicy.vllm.server import Completion, OpenAIServer, wait_until  # noqa: E402
+from kvpolicy.vllm.server import Completion, OpenAIServer, metric_value, wait_until  # noqa: E402
 from kvpolicy.vllm.tinymodel import make_tiny_llama  # noqa: E402
 
 TP_SIZE = 2
@@ -85,16 +85,41 @@ def server_b(fleet: HostFleet, model: Path, server_a: OpenAIServer) -> OpenAISer
     )
 
 
-def store_cold(fleet: HostFleet, server: OpenAIServer, batch: list[list[int]], *, chunks: int | None = None) -> list[Completion]:
+def serve_cold(
+    fleet: HostFleet, server: OpenAIServer, batch: list[list[int]], *, chunks: int | None = None, timeout: float = 60
+) -> tuple[list[Completion], bool]:
     """Serve ``batch`` (prompts sharing no chunk, unless ``chunks`` says how many distinct ones) cold on
-    ``server`` and wait until the store holds every full chunk of it."""
+    ``server``; also whether the store then took every full chunk of it within ``timeout`` seconds."""
     before = fleet.counters()
     cold = [server.complete(prompt) for prompt in batch]
     if chunks is None:
         assert all(completion.cached_tokens == 0 for completion in cold)
         chunks = len(batch) * FULL_CHUNK_TOKENS // DEFAULT_BLOCK_SIZE
-    assert wait_until(lambda: delta(before, fleet.counters()).objects_written >= chunks, timeout=60)
+    return cold, wait_until(lambda: delta(before, fleet.counters()).objects_written >= chunks, timeout=timeout)
+
+
+def store_cold(fleet: HostFleet, server: OpenAIServer, batch: list[list[int]], *, chunks: int | None = None) -> list[Completion]:
+    """:func:`serve_cold`, which must have stored every full chunk."""
+    cold, stored = serve_cold(fleet, server, batch, chunks=chunks)
+    assert stored, "the store did not take the cold server's chunks within 60 s"
     return cold
+
+
+def wait_for_reuse(fleet: HostFleet, writer: OpenAIServer, reader: OpenAIServer, *, first_seed: int, timeout: float) -> float:
+    """Seconds until the fleet reuses again after a fault: fresh prompts ``writer`` serves cold, then
+    ``reader`` loads in full, twice in a row (Mooncake clients reconnect to a restarted master at their
+    own pace). Every answer meanwhile must be right; fails after ``timeout`` seconds."""
+    started = time.monotonic()
+    seed, in_a_row = first_seed, 0
+    while in_a_row < 2:
+        assert time.monotonic() - started < timeout, f"no reuse across hosts {timeout:g} s after the fault"
+        probe = fixed_prompt(PROMPT_TOKENS, seed=seed)
+        seed += 1
+        (cold,), _ = serve_cold(fleet, writer, [probe], timeout=20)
+        warm = reader.complete(probe)
+        assert_same([warm], [cold])
+        in_a_row = in_a_row + 1 if warm.cached_tokens == FULL_CHUNK_TOKENS else 0
+    return time.monotonic() - started
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +187,6 @@ def test_a_segment_host_lost_while_b_loads_makes_b_recompute_with_no_wrong_token
     fleet.start_segment_host("seg1")
 
 
-@pytest.mark.xfail(strict=False, reason="flaky on 2 cores after the master restart (1 of 3 local runs): B's first loads miss, A's saves lag; open in issue 14")
 def test_after_a_master_restart_everything_recomputes_and_the_store_fills_again(
     fleet: HostFleet, server_a: OpenAIServer, server_b: OpenAIServer, reused_cold: list[Completion]
 ) -> None:
@@ -171,16 +195,17 @@ def test_after_a_master_restart_everything_recomputes_and_the_store_fills_again(
     emptied = [server_b.complete(prompt) for prompt in REUSED]
     assert_same(emptied, reused_cold)
     assert [completion.cached_tokens for completion in emptied] == [0] * len(REUSED)
-    # The clients register again with the new master, the segment holders remount their memory, and
-    # what A stores from then on is there for B.
+    # The segment holders remount their memory and the servers' clients find the new master; from
+    # then on what A stores is there for B, in full.
     assert wait_until(lambda: fleet.capacity_bytes() == fleet.full_capacity_bytes, timeout=6 * CLIENT_TTL_S)
+    recovered_s = wait_for_reuse(fleet, server_a, server_b, first_seed=500, timeout=120)
+    print(f"master restart: reuse across hosts again after {recovered_s:.1f} s")
     cold = store_cold(fleet, server_a, AFTER_RESTART)
     warm = [server_b.complete(prompt) for prompt in AFTER_RESTART]
     assert_same(warm, cold)
     assert [completion.cached_tokens for completion in warm] == [FULL_CHUNK_TOKENS] * len(AFTER_RESTART)
 
 
-@pytest.mark.xfail(strict=False, reason="flaky on 2 cores after the master restart (1 of 3 local runs): B's first loads miss, A's saves lag; open in issue 14")
 def test_eight_concurrent_clients_get_every_completion_right(
     fleet: HostFleet, server_a: OpenAIServer, server_b: OpenAIServer
 ) -> None:
@@ -196,7 +221,6 @@ def test_eight_concurrent_clients_get_every_completion_right(
     assert report.requests >= 8 and report.hit_rate > 0.5
 
 
-@pytest.mark.xfail(strict=False, reason="flaky on 2 cores after the master restart (1 of 3 local runs): B's first loads miss, A's saves lag; open in issue 14")
 def test_a_vllm_host_killed_mid_save_leaves_the_other_serving(
     fleet: HostFleet, server_a: OpenAIServer, server_b: OpenAIServer, reused_cold: list[Completion]
 ) -> None:
@@ -204,7 +228,8 @@ def test_a_vllm_host_killed_mid_save_leaves_the_other_serving(
     senders = [threading.Thread(target=lambda p=p: answers.append(_try(server_a, p))) for p in SAVING]
     for sender in senders:
         sender.start()
-    time.sleep(1.0)
+    # Killed while it generates (and saves): not before its requests arrived, not after they finished.
+    assert wait_until(lambda: metric_value(server_a.metrics(), "vllm:num_requests_running") >= 1, timeout=60, interval=0.1)
     fleet["vllma"].kill_all()
     for sender in senders:
         sender.join(150)
