@@ -3,18 +3,23 @@ another host stored, with kvpolicy and with the stock connector, in the same run
 
 The hosts are network namespaces (``kvpolicy.fleet``): a Mooncake master, two segment holders, two
 vLLM hosts and a client host, on private addresses that exist only inside them. For each connector in
-turn (``kvpolicy``: ``KVPolicyConnector`` with the ``default`` policy; ``stock``: vLLM's
-``MooncakeStoreConnector``), server A (TP=2) on host ``vllma`` serves every prompt once, cold (the
-reference, and what the store then holds), and server B (TP=2) on host ``vllmb`` is loaded by
-``--clients`` concurrent clients from the client host for ``--seconds``: shared-prefix prompts
-(``--prefixes`` prefixes x ``--variants`` suffixes), greedy, 8 tokens, every completion compared with
-A's. Prefix caching is off inside the servers: every hit is a load from the store, across the network.
+turn (``kvpolicy``: ``KVPolicyConnector`` with the ``default`` policy; ``vllm-compat``: the same
+connector with vLLM's own rules; ``stock``: vLLM's ``MooncakeStoreConnector``), server A (TP=2) on
+host ``vllma`` serves every prompt once, cold (the reference, and what the store then holds), and
+server B (TP=2) on host ``vllmb`` is loaded by ``--clients`` concurrent clients from the client host
+for ``--seconds``: shared-prefix prompts (``--prefixes`` prefixes x ``--variants`` suffixes), greedy,
+8 tokens, every completion compared with A's. Prefix caching is off inside the servers: every hit is
+a load from the store, across the network.
 
 Reported per connector: requests, errors, mismatches (tokens or logprobs off the cold reference), hit
-rate (prompt tokens not computed ÷ prompt tokens), throughput and latency percentiles; and the ratio
-kvpolicy / stock. Target (issue 14): 0 errors, 0 mismatches.
+rate (prompt tokens not computed / prompt tokens), throughput and latency percentiles, and each
+kvpolicy row's ratios to stock. Target (issue 14): 0 errors, 0 mismatches. A second table says where
+slow requests' time went, from the warm server's own ``/metrics`` around the load: requests that
+queued, prefilled or decoded longer than 5 s, and Mooncake operations (lookups, loads, saves) longer
+than 4 s (the last bucket of vLLM's histogram); and from the kernel, TCP retransmits of the client host
+and connection attempts the server's host dropped.
 
-    python benchmarks/bench_fleet_load.py [--clients 8] [--seconds 60] [--prefixes 4] [--variants 4]
+    python benchmarks/bench_fleet_load.py [--clients 8] [--seconds 60] [--connectors kvpolicy,vllm-compat,stock]
 """
 
 from __future__ import annotations
@@ -38,16 +43,75 @@ from kvpolicy.vllm.tinymodel import make_tiny_llama  # noqa: E402
 SERVER_ARGS = ("--no-enable-prefix-caching", "--enable-prompt-tokens-details")
 
 
+CONNECTORS: dict[str, dict[str, str]] = {
+    "kvpolicy": {"policy": "default"},
+    "vllm-compat": {"policy": "vllm-compat"},
+    "stock": {"connector": "MooncakeStoreConnector"},
+}
+"""What each ``--connectors`` name runs: ``KVPolicyConnector`` with the ``default`` policy, the same
+connector with ``vllm-compat`` (vLLM's own rules, through kvpolicy's worker), or vLLM's stock
+``MooncakeStoreConnector``."""
+
+
 def connector_config(name: str) -> str:
-    config = json.loads(
-        kv_transfer_config(connector="MooncakeStoreConnector") if name == "stock" else kv_transfer_config()
-    )
+    config = json.loads(kv_transfer_config(**CONNECTORS[name]))
     # Each connector under its own prefix: neither reads the other's objects.
     config.setdefault("kv_connector_extra_config", {})["cache_prefix"] = f"fleet-{name}-{uuid.uuid4().hex[:8]}"
     return json.dumps(config)
 
 
-def measure(fleet: HostFleet, model: Path, name: str, args: argparse.Namespace) -> LoadReport:
+PHASES = {"queued": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
+          "decode": "vllm:request_decode_time_seconds"}
+STORE_OPERATIONS = ("lookup_exists", "load_get", "save_exists", "save_put")
+STORE_TIME = "vllm:mooncake_store_operation_time_seconds"
+
+
+def _samples(metrics_text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of series ``name`` in a Prometheus text exposition, with their labels."""
+    found = []
+    for line in metrics_text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        labels_text, _, value = line[len(name) + 1 :].rpartition("} ")
+        labels = dict(part.split("=", 1) for part in labels_text.split(",") if "=" in part)
+        found.append(({key: raw.strip('"') for key, raw in labels.items()}, float(value)))
+    return found
+
+
+def slower_than(metrics_text: str, histogram: str, bound: str, **labels: str) -> tuple[int, int]:
+    """(observations above ``bound`` seconds, observations) of a histogram, summed over its label sets
+    matching ``labels``."""
+    total = at_most = 0.0
+    for found, value in _samples(metrics_text, histogram + "_bucket"):
+        if any(found.get(key) != wanted for key, wanted in labels.items()):
+            continue
+        if found.get("le") == "+Inf":
+            total += value
+        elif found.get("le") == bound:
+            at_most += value
+    return int(total - at_most), int(total)
+
+
+def time_breakdown(metrics_text: str) -> dict[str, tuple[int, int]]:
+    """Per request phase (> 5 s) and per Mooncake operation (> 4 s): (slow, all)."""
+    breakdown = {phase: slower_than(metrics_text, series, "5.0") for phase, series in PHASES.items()}
+    for operation in STORE_OPERATIONS:
+        breakdown[operation] = slower_than(metrics_text, STORE_TIME, "4.0", operation=operation)
+    return breakdown
+
+
+TCP_COUNTERS = {"client SYN retransmits": ("client", "TCPSynRetrans"), "client retransmits": ("client", "RetransSegs"),
+                "server listen drops": ("vllmb", "ListenDrops")}
+"""Kernel TCP counters of the client host and the warm server's host (a dropped connection attempt
+costs a client 1 s, then 3 s, 7 s... before its retry)."""
+
+
+def tcp_breakdown(fleet: HostFleet) -> dict[str, tuple[int, int]]:
+    counters = {host: fleet[host].tcp_counters() for host in {host for host, _ in TCP_COUNTERS.values()}}
+    return {label: (counters[host][name], 0) for label, (host, name) in TCP_COUNTERS.items()}
+
+
+def measure(fleet: HostFleet, model: Path, name: str, args: argparse.Namespace) -> tuple[LoadReport, dict[str, tuple[int, int]]]:
     prompts = shared_prefix_prompts(
         prefixes=args.prefixes, variants=args.variants, prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens
     )
@@ -61,10 +125,12 @@ def measure(fleet: HostFleet, model: Path, name: str, args: argparse.Namespace) 
     warm_server = fleet.server("vllmb", model, tp_size=2, kv_transfer_config=config, extra_args=SERVER_ARGS)
     try:
         run_load(warm_server, prompts[:2], references[:2], clients=2, duration_s=5)  # warm-up, untimed
+        before = {**time_breakdown(warm_server.metrics()), **tcp_breakdown(fleet)}
         report = run_load(warm_server, prompts, references, clients=args.clients, duration_s=args.seconds)
+        after = {**time_breakdown(warm_server.metrics()), **tcp_breakdown(fleet)}
         if report.errors or report.percentile(0.99) > 5:
             Path(f"/tmp/bench-fleet-{name}-server.log").write_text(warm_server.log)
-        return report
+        return report, {key: (after[key][0] - before[key][0], after[key][1] - before[key][1]) for key in after}
     finally:
         warm_server.stop()
 
@@ -77,14 +143,18 @@ def main() -> int:
     parser.add_argument("--variants", type=int, default=4)
     parser.add_argument("--prefix-tokens", type=int, default=160)
     parser.add_argument("--suffix-tokens", type=int, default=40)
-    parser.add_argument("--connectors", default="kvpolicy,stock")
+    parser.add_argument("--connectors", default="kvpolicy,vllm-compat,stock", help=f"comma-separated, of {', '.join(CONNECTORS)}")
     args = parser.parse_args()
+    unknown = sorted(set(args.connectors.split(",")) - CONNECTORS.keys())
+    if unknown:
+        parser.error(f"unknown connector {', '.join(unknown)}: choose from {', '.join(CONNECTORS)}")
     reports: dict[str, LoadReport] = {}
+    breakdowns: dict[str, dict[str, tuple[int, int]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as scratch:
         model = make_tiny_llama(Path(scratch) / "tiny-llama", num_kv_heads=1)
         with HostFleet(Path(scratch) / "fleet") as fleet:
             for name in args.connectors.split(","):
-                reports[name] = measure(fleet, model, name, args)
+                reports[name], breakdowns[name] = measure(fleet, model, name, args)
     rows = [
         [
             name, report.clients, f"{report.duration_s:.0f}", report.requests, report.errors, report.mismatches,
@@ -98,12 +168,26 @@ def main() -> int:
          "p99 ms"],
         rows,
     ))
-    if {"kvpolicy", "stock"} <= reports.keys() and reports["stock"].throughput:
-        ours, stock = reports["kvpolicy"], reports["stock"]
-        print(
-            f"kvpolicy / stock: throughput {ours.throughput / stock.throughput:.2f},"
-            f" p50 latency {ours.percentile(0.5) / stock.percentile(0.5):.2f}"
-        )
+    print()
+    print(table(
+        ["connector", "requests > 5 s", *(f"{phase} > 5 s" for phase in PHASES),
+         *(f"{op} > 4 s" for op in STORE_OPERATIONS), *TCP_COUNTERS],
+        [
+            [name, sum(latency > 5 for latency in reports[name].latencies_s),
+             *(f"{breakdown[key][0]}/{breakdown[key][1]}" for key in (*PHASES, *STORE_OPERATIONS)),
+             *(breakdown[label][0] for label in TCP_COUNTERS)]
+            for name, breakdown in breakdowns.items()
+        ],
+    ))
+    print()
+    stock = reports.get("stock")
+    for name, ours in reports.items():
+        if name != "stock" and stock is not None and stock.throughput:
+            print(
+                f"{name} / stock: throughput {ours.throughput / stock.throughput:.2f},"
+                f" p50 latency {ours.percentile(0.5) / stock.percentile(0.5):.2f},"
+                f" p99 latency {ours.percentile(0.99) / stock.percentile(0.99):.2f}"
+            )
     for name, report in reports.items():
         for sample in report.error_samples:
             print(f"{name} error: {sample}")

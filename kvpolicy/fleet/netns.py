@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 __all__ = ["Host", "NetnsUnavailable", "Network", "remove_stale", "require_netns"]
@@ -174,6 +175,11 @@ class Host:
         """PIDs of every process running on this host."""
         return _pids(self.namespace)
 
+    def tcp_counters(self) -> dict[str, int]:
+        """This host's kernel TCP counters (``/proc/net/snmp`` ``Tcp:`` and ``/proc/net/netstat``
+        ``TcpExt:``, e.g. ``RetransSegs``, ``TCPSynRetrans``, ``ListenDrops``), read in its namespace."""
+        return self.call(_tcp_counters)
+
     def kill_all(self) -> list[int]:
         """SIGKILL every process on this host (a host that dies); returns their PIDs."""
         killed = self.pids()
@@ -262,3 +268,15 @@ class Network:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _tcp_counters() -> dict[str, int]:
+    # thread-self: Host.call moved only this thread; /proc/self/net would show the process's namespace.
+    counters: dict[str, int] = {}
+    for table in ("snmp", "netstat"):
+        lines = Path(f"/proc/thread-self/net/{table}").read_text().splitlines()
+        for header, values in zip(lines[::2], lines[1::2], strict=False):
+            prefix, _, names = header.partition(":")
+            if prefix in ("Tcp", "TcpExt"):
+                counters.update(zip(names.split(), map(int, values.partition(":")[2].split()), strict=False))
+    return counters

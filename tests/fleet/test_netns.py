@@ -78,6 +78,18 @@ def test_a_program_on_a_host_has_that_host_s_pid_and_network(network: Network) -
     assert process.wait(5) == -9
 
 
+def test_tcp_counters_are_each_host_s_own(network: Network) -> None:
+    client, server = network["client"], network["server"]
+    before = {name: host.tcp_counters() for name, host in (("client", client), ("server", server))}
+    listening = listen(network)
+    client.call(connect, server.address)
+    listening.wait(5)
+    assert client.tcp_counters()["ActiveOpens"] == before["client"]["ActiveOpens"] + 1
+    assert server.tcp_counters()["PassiveOpens"] == before["server"]["PassiveOpens"] + 1
+    assert server.tcp_counters()["ActiveOpens"] == before["server"]["ActiveOpens"]
+    assert "TCPSynRetrans" in client.tcp_counters() and "ListenDrops" in server.tcp_counters()
+
+
 def test_a_call_moves_only_the_calling_thread_and_only_for_the_call(network: Network) -> None:
     mine = os.readlink("/proc/thread-self/ns/net")
     inside = network["client"].call(os.readlink, "/proc/thread-self/ns/net")
