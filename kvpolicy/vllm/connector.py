@@ -40,6 +40,7 @@ from kvpolicy.loader import load_policy, shipped_policy_names  # noqa: E402
 from kvpolicy.models import Policy  # noqa: E402
 from kvpolicy.plan import Plan  # noqa: E402
 from kvpolicy.vllm.metrics import KVPolicyConnectorStats, KVPolicyPromMetrics  # noqa: E402
+from kvpolicy.vllm.read_failures import ttl_from_extra_config  # noqa: E402
 from kvpolicy.vllm.worker import KVPolicyStoreWorker  # noqa: E402
 
 __all__ = ["POLICY_KEY", "KVPolicyConfigError", "KVPolicyConnector", "resolve_policy"]
@@ -118,6 +119,10 @@ class KVPolicyConnector(MooncakeStoreConnector, SupportsHMA):
         if vllm_config.kv_transfer_config is None:
             raise KVPolicyConfigError("KVPolicyConnector needs a kv_transfer_config")
         self.policy: Policy = resolve_policy(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        try:
+            ttl_from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        except ValueError as error:
+            raise KVPolicyConfigError(str(error)) from None
         if role == KVConnectorRole.SCHEDULER:
             # The scheduler side needs no plan: lookups run on worker rank 0.
             super().__init__(vllm_config, role, kv_cache_config)

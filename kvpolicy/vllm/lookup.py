@@ -31,6 +31,8 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager, SlidingWindowManager
 
+from kvpolicy.vllm.read_failures import ReadFailures
+
 logger = init_logger(f"vllm.{__name__}")
 
 __all__ = [
@@ -61,6 +63,8 @@ class LookupProbes:
 
     keys: int = 0
     calls: int = 0
+    masked: int = 0
+    """Stored keys reported missing because reading them had just failed (:mod:`kvpolicy.vllm.read_failures`)."""
 
 
 class Walk(NamedTuple):
@@ -254,10 +258,11 @@ def _candidates(worker: Any, token_len: int, block_hashes: Sequence[BlockHash]) 
 
 
 def lookup(
-    worker: Any, num_tokens: int, block_hashes: Sequence[BlockHash]
+    worker: Any, num_tokens: int, block_hashes: Sequence[BlockHash], *, read_failures: ReadFailures | None = None
 ) -> tuple[MooncakeLookupResult, LookupProbes]:
     """``MooncakeStoreWorker.lookup`` of ``worker`` (same hit length, same tail boundaries on the same
-    store), over a :class:`ProbingBlockPool`; also what it probed."""
+    store), over a :class:`ProbingBlockPool`; also what it probed. Keys in ``read_failures`` are
+    answered missing, as if the store had lost them."""
     probes = LookupProbes()
     if worker._capacity_only:
         return MooncakeLookupResult(0), probes
@@ -279,7 +284,11 @@ def lookup(
             )
             raise _ProbeFailed(error) from error
         worker._record_kv_connector_operation("lookup_exists", time.perf_counter() - started, len(keys))
-        return results
+        if read_failures is None:
+            return results
+        answers = read_failures.mask(keys, results)
+        pool.probes.masked += sum(found != answered for found, answered in zip(results, answers, strict=True))
+        return answers
 
     pool = ProbingBlockPool(worker.hash_block_size, candidates, worker._lookup_key_prefixes, walks(coord), probe)
     try:

@@ -42,6 +42,7 @@ from kvpolicy.vllm.layout import layout_from_kv_cache_config
 from kvpolicy.vllm.lookup import LookupProbes
 from kvpolicy.vllm.lookup import lookup as probing_lookup
 from kvpolicy.vllm.metrics import CountingStore, KVPolicyConnectorStats, Tally, dedup_multiplier
+from kvpolicy.vllm.read_failures import ReadFailures, RecordingReadStore, ttl_from_extra_config
 from kvpolicy.vllm.send import MergedSaveSendingThread
 from kvpolicy.vllm.standalone import Ranks, init_standalone
 from kvpolicy.vllm.striped import StripedReadStore, exchange_over_tp, striping_possible
@@ -172,6 +173,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._layout_out = Path(str(layout_out)) if layout_out else None
         self._model = model
         self._cache_prefix = str(extra_config.get("cache_prefix", ""))
+        self._read_failures = ReadFailures(ttl_from_extra_config(extra_config))
         self._gather = gather
         self._exchange = exchange
         self._last_lookup_gated = False
@@ -362,6 +364,10 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             # the counting view, so that it counts the boundary keys riding on the chunk calls.
             MergedSaveSendingThread.adopt(self.kv_send_thread)
         self._stripe_loads()
+        if self._read_failures.ttl_s > 0:
+            # Outermost, so that it sees every failure vLLM sees (striped loads report their own).
+            for thread in self.kv_recv_threads:
+                thread.store = RecordingReadStore(thread.store, self._read_failures)
 
     def _stripe_loads(self) -> None:
         """Under ``load: striped``, give the receive threads the striping view of the store."""
@@ -695,5 +701,12 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
                 self._last_lookup_gated = True
                 self._tally.lookup_gated()
                 return MooncakeLookupResult(0)
-        result, self._last_lookup_probes = probing_lookup(self, num_tokens, block_hashes)
+        result, self._last_lookup_probes = probing_lookup(
+            self, num_tokens, block_hashes, read_failures=self._read_failures
+        )
+        if self._last_lookup_probes.masked:
+            logger.info(
+                "kvpolicy: lookup reports %d stored chunks missing: reading them failed in the last %g s",
+                self._last_lookup_probes.masked, self._read_failures.ttl_s,
+            )
         return result

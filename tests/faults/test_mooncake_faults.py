@@ -16,6 +16,7 @@ still use must hold the loading rank's own bytes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ from kvpolicy.mooncake.faults import (  # noqa: E402
 )
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import BLOCK_SIZE, Fleet, LoadVerdict, SaveOutcome, audited_policy  # noqa: E402
+from kvpolicy.vllm.read_failures import READ_FAILURE_TTL_KEY  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -435,3 +437,62 @@ def test_an_object_removed_after_the_lookup_leaves_the_chunks_before_it_correct(
     verdict = vanished_object.verdict
     assert verdict.blocks_checked > 0 and verdict.correct, (verdict.wrong, verdict.stray)
 
+
+
+# --- a read that failed --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FailedRead:
+    hit_before: int
+    load_failed_on_rank0: bool
+    hit_right_after: int
+    hit_after_ttl: int
+
+
+def fail_first_get() -> Callable[[], None]:
+    """A ``FaultyStore`` hook: the first get raises (its objects' segment is gone), later ones run."""
+    failed: list[bool] = []
+
+    def hook() -> None:
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("the segment holding these objects is gone")
+
+    return hook
+
+
+def failed_read(master: RestartableMaster, clients: ClientPool, *, ttl_s: float) -> FailedRead:
+    """MLA at TP 2 (both ranks read the same objects): the prompt is saved; the loader's rank 0 fails
+    to read its hit; the loader looks the prompt up again at once, and again once ``ttl_s`` has passed."""
+    fresh_master(master, clients)
+    with Fleet("mla", master=master, clients=clients, num_tokens=NUM_TOKENS) as fleet:
+        fleet.instance(DEFAULT, 2, name="saver").save()
+        loader = fleet.instance(
+            DEFAULT, 2, name="loader", wrap_store=on_rank(0, "batch_get_into_multi_buffers", fail_first_get()),
+            extra_config={READ_FAILURE_TTL_KEY: ttl_s},
+        )
+        lookup = loader.lookup()
+        (rank0,) = loader.load(lookup, ranks=[0])
+        right_after = loader.lookup().hit_length
+        time.sleep(ttl_s + 0.2)
+        return FailedRead(
+            lookup.hit_length, rank0.failed or bool(rank0.invalid_block_ids), right_after, loader.lookup().hit_length
+        )
+
+
+def test_a_chunk_whose_read_failed_is_missing_to_the_next_lookup_until_its_ttl_passes(
+    master: RestartableMaster, clients: ClientPool
+) -> None:
+    read = failed_read(master, clients, ttl_s=2.0)
+    assert (read.hit_before, read.load_failed_on_rank0) == (FULL_HIT, True)
+    # Recomputed at once, instead of the same hit, the same dead objects, the same failure again.
+    assert read.hit_right_after == 0
+    assert read.hit_after_ttl == FULL_HIT
+
+
+def test_without_the_read_failure_memory_the_next_lookup_finds_the_same_hit_again(
+    master: RestartableMaster, clients: ClientPool
+) -> None:
+    read = failed_read(master, clients, ttl_s=0)
+    assert (read.hit_before, read.load_failed_on_rank0, read.hit_right_after) == (FULL_HIT, True, FULL_HIT)

@@ -241,6 +241,16 @@ def test_the_connector_stops_on_a_bad_policy_in_either_role_before_anything_else
         KVPolicyConnector(vllm_config("defualt"), role, EMPTY_KV_CACHE_CONFIG)
 
 
+@pytest.mark.parametrize("ttl", [-1, "30", float("nan"), float("inf"), True, None])
+@pytest.mark.parametrize("role", list(KVConnectorRole), ids=lambda role: role.name.lower())
+def test_the_connector_stops_on_a_bad_read_failure_ttl_naming_the_key(role: KVConnectorRole, ttl: object) -> None:
+    config = vllm_config("default")
+    assert config.kv_transfer_config is not None
+    config.kv_transfer_config.kv_connector_extra_config["kvpolicy_read_failure_ttl_s"] = ttl
+    with pytest.raises(KVPolicyConfigError, match=r"\['kvpolicy_read_failure_ttl_s'\] must be a number of seconds >= 0"):
+        KVPolicyConnector(config, role, EMPTY_KV_CACHE_CONFIG)
+
+
 def test_vllm_factory_loads_the_connector_from_its_module_path() -> None:
     config = vllm_config("default").kv_transfer_config
     assert config is not None and KVConnectorFactory.get_connector_class(config) is KVPolicyConnector

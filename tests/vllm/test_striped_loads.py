@@ -21,6 +21,7 @@ from kvpolicy.mooncake import MasterCounters  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import ARCHETYPES, Fleet, Instance  # noqa: E402
+from kvpolicy.vllm.read_failures import RecordingReadStore  # noqa: E402
 from kvpolicy.vllm.striped import StripedReadStore  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -52,6 +53,13 @@ def loaded(fleet: Fleet, policy: Policy, tp_size: int, master: MooncakeMaster) -
     return warm, lookup, objects_read(master, warm, lookup)
 
 
+def receive_store(thread: Any) -> Any:
+    """The receive thread's striping view of the store if it has one, else its store as the worker left
+    it, under the read-failure recorder every receive thread gets."""
+    store = thread.store
+    return store.inner if isinstance(store, RecordingReadStore) else store
+
+
 @pytest.mark.parametrize(("archetype", "tp_size"), CASES)
 def test_a_striped_load_reads_each_object_once_and_every_rank_gets_every_block(
     mooncake_master: MooncakeMaster, clients: ClientPool, archetype: str, tp_size: int
@@ -66,7 +74,7 @@ def test_a_striped_load_reads_each_object_once_and_every_rank_gets_every_block(
         # Per rank, a group replicated over f ranks is read f times; striped, once: the unique objects.
         factors = warm.plan.factors
         assert lookup.hit_length == per_rank_lookup.hit_length
-        stores = [thread.store for rank in warm.ranks for thread in rank.worker.kv_recv_threads]
+        stores = [receive_store(thread) for rank in warm.ranks for thread in rank.worker.kv_recv_threads]
         # Without a replica set there is nothing to stripe: the receive threads keep their store as it was.
         assert all(isinstance(store, StripedReadStore) for store in stores) == (max(factors) > 1)
         received = sum(store.counts.keys_received for store in stores if isinstance(store, StripedReadStore))
@@ -126,7 +134,7 @@ def test_a_dead_exchange_fails_the_load_instead_of_hanging(
         warm.load(lookup)
         verdict = warm.verdict(lookup)
         assert verdict.correct and verdict.used_tokens == lookup.hit_length
-        stores = [thread.store for rank in warm.ranks for thread in rank.worker.kv_recv_threads]
+        stores = [receive_store(thread) for rank in warm.ranks for thread in rank.worker.kv_recv_threads]
         assert all(isinstance(store, StripedReadStore) and store.broken for store in stores)
 
 
@@ -136,7 +144,7 @@ def test_more_than_one_receive_thread_falls_back_to_reads_on_every_rank(
     monkeypatch.setenv("VLLM_MOONCAKE_LOAD_RECV_THREADS", "2")
     with Fleet("mla", master=mooncake_master, clients=clients, num_tokens=NUM_TOKENS) as fleet:
         warm, lookup, read = loaded(fleet, striped(), 2, mooncake_master)
-        assert not any(isinstance(t.store, StripedReadStore) for r in warm.ranks for t in r.worker.kv_recv_threads)
+        assert not any(isinstance(receive_store(t), StripedReadStore) for r in warm.ranks for t in r.worker.kv_recv_threads)
         assert read == 2 * lookup.hit_length // 16
         assert warm.verdict(lookup).correct
 

@@ -1,0 +1,120 @@
+"""A chunk whose read just failed is missing to the next lookups, for a while, and only that chunk."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpolicy.vllm.read_failures import (
+    DEFAULT_TTL_S,
+    READ_FAILURE_TTL_KEY,
+    ReadFailures,
+    RecordingReadStore,
+    ttl_from_extra_config,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Store:
+    """A store client whose gets answer the codes it is given (or raise)."""
+
+    def __init__(self, codes: dict[str, int] | None = None, *, raises: bool = False) -> None:
+        self.codes = codes or {}
+        self.raises = raises
+        self.gets: list[list[str]] = []
+
+    def batch_get_into_multi_buffers(self, keys: list[str], addrs: object, sizes: object) -> list[int]:
+        self.gets.append(keys)
+        if self.raises:
+            raise RuntimeError("transfer engine gone")
+        return [self.codes.get(key, 16) for key in keys]
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [1] * len(keys)
+
+
+def test_a_key_whose_read_failed_is_reported_missing() -> None:
+    failures = ReadFailures(30)
+    failures.record(["a"])
+    assert failures.mask(["a", "b"], [1, 1]) == [0, 1]
+
+
+def test_keys_that_were_not_stored_stay_missing_and_are_not_counted_as_masked() -> None:
+    failures = ReadFailures(30)
+    failures.record(["a"])
+    assert failures.mask(["a", "b"], [0, 0]) == [0, 0]
+    assert failures.masked == 0
+
+
+def test_a_failed_key_is_reported_stored_again_once_its_ttl_has_passed() -> None:
+    clock = Clock()
+    failures = ReadFailures(10, clock=clock)
+    failures.record(["a"])
+    clock.now += 9.9
+    assert failures.mask(["a"], [1]) == [0]
+    clock.now += 0.2
+    assert failures.mask(["a"], [1]) == [1]
+    assert len(failures) == 0
+
+
+def test_a_second_failure_restarts_the_ttl() -> None:
+    clock = Clock()
+    failures = ReadFailures(10, clock=clock)
+    failures.record(["a"])
+    clock.now += 8
+    failures.record(["a"])
+    clock.now += 8
+    assert failures.mask(["a"], [1]) == [0]
+
+
+def test_memory_is_bounded_by_forgetting_the_oldest_failures() -> None:
+    failures = ReadFailures(30, limit=3)
+    failures.record(["a", "b", "c", "d"])
+    assert len(failures) == 3
+    assert failures.mask(["a", "b", "c", "d"], [1, 1, 1, 1]) == [1, 0, 0, 0]
+
+
+def test_a_zero_ttl_remembers_nothing() -> None:
+    failures = ReadFailures(0)
+    failures.record(["a"])
+    assert failures.mask(["a"], [1]) == [1]
+
+
+def test_a_get_records_exactly_the_keys_it_failed_to_read() -> None:
+    failures = ReadFailures(30)
+    store = RecordingReadStore(Store({"b": -800, "c": -707}), failures)
+    assert store.batch_get_into_multi_buffers(["a", "b", "c"], [], []) == [16, -800, -707]
+    assert failures.mask(["a", "b", "c"], [1, 1, 1]) == [1, 0, 0]
+
+
+def test_a_get_that_raises_records_every_key_and_still_raises() -> None:
+    failures = ReadFailures(30)
+    store = RecordingReadStore(Store(raises=True), failures)
+    with pytest.raises(RuntimeError, match="transfer engine gone"):
+        store.batch_get_into_multi_buffers(["a", "b"], [], [])
+    assert failures.mask(["a", "b"], [1, 1]) == [0, 0]
+
+
+def test_the_recording_store_passes_every_other_call_through() -> None:
+    inner = Store()
+    store = RecordingReadStore(inner, ReadFailures(30))
+    assert store.batch_is_exist(["a"]) == [1]
+    assert store.inner is inner
+
+
+def test_the_ttl_defaults_and_reads_from_the_extra_config() -> None:
+    assert ttl_from_extra_config({}) == DEFAULT_TTL_S
+    assert ttl_from_extra_config({READ_FAILURE_TTL_KEY: 5}) == 5.0
+    assert ttl_from_extra_config({READ_FAILURE_TTL_KEY: 0}) == 0.0
+
+
+@pytest.mark.parametrize("value", [-0.5, "10", float("nan"), float("inf"), False, [10]])
+def test_a_bad_ttl_is_refused_naming_the_key_and_what_to_write(value: object) -> None:
+    with pytest.raises(ValueError, match=r"\['kvpolicy_read_failure_ttl_s'\] must be a number of seconds >= 0 \(0 turns it off\)"):
+        ttl_from_extra_config({READ_FAILURE_TTL_KEY: value})
