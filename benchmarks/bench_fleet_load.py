@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,6 +39,7 @@ from _common import table  # noqa: E402
 
 from kvpolicy.fleet.hosts import HostFleet, kv_transfer_config  # noqa: E402
 from kvpolicy.fleet.load import LoadReport, run_load, shared_prefix_prompts  # noqa: E402
+from kvpolicy.vllm.server import metric_value  # noqa: E402
 from kvpolicy.vllm.tinymodel import make_tiny_llama  # noqa: E402
 
 SERVER_ARGS = ("--no-enable-prefix-caching", "--enable-prompt-tokens-details")
@@ -66,30 +68,10 @@ STORE_OPERATIONS = ("lookup_exists", "load_get", "save_exists", "save_put")
 STORE_TIME = "vllm:mooncake_store_operation_time_seconds"
 
 
-def _samples(metrics_text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """The samples of series ``name`` in a Prometheus text exposition, with their labels."""
-    found = []
-    for line in metrics_text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        labels_text, _, value = line[len(name) + 1 :].rpartition("} ")
-        labels = dict(part.split("=", 1) for part in labels_text.split(",") if "=" in part)
-        found.append(({key: raw.strip('"') for key, raw in labels.items()}, float(value)))
-    return found
-
-
 def slower_than(metrics_text: str, histogram: str, bound: str, **labels: str) -> tuple[int, int]:
-    """(observations above ``bound`` seconds, observations) of a histogram, summed over its label sets
-    matching ``labels``."""
-    total = at_most = 0.0
-    for found, value in _samples(metrics_text, histogram + "_bucket"):
-        if any(found.get(key) != wanted for key, wanted in labels.items()):
-            continue
-        if found.get("le") == "+Inf":
-            total += value
-        elif found.get("le") == bound:
-            at_most += value
-    return int(total - at_most), int(total)
+    """(observations above ``bound`` seconds, observations) of a histogram, over its label sets with ``labels``."""
+    total = metric_value(metrics_text, histogram + "_bucket", le="+Inf", **labels)
+    return int(total - metric_value(metrics_text, histogram + "_bucket", le=bound, **labels)), int(total)
 
 
 def time_breakdown(metrics_text: str) -> dict[str, tuple[int, int]]:
@@ -106,12 +88,22 @@ TCP_COUNTERS = {"client SYN retransmits": ("client", "TCPSynRetrans"), "client r
 costs a client 1 s, then 3 s, 7 s... before its retry)."""
 
 
-def tcp_breakdown(fleet: HostFleet) -> dict[str, tuple[int, int]]:
+def tcp_counts(fleet: HostFleet) -> dict[str, int]:
     counters = {host: fleet[host].tcp_counters() for host in {host for host, _ in TCP_COUNTERS.values()}}
-    return {label: (counters[host][name], 0) for label, (host, name) in TCP_COUNTERS.items()}
+    return {label: counters[host][name] for label, (host, name) in TCP_COUNTERS.items()}
 
 
-def measure(fleet: HostFleet, model: Path, name: str, args: argparse.Namespace) -> tuple[LoadReport, dict[str, tuple[int, int]]]:
+@dataclass(frozen=True)
+class Measured:
+    """One connector's load, where its slow requests' time went ((slow, all) per phase and operation),
+    and the TCP counters' growth over the load."""
+
+    report: LoadReport
+    slow: dict[str, tuple[int, int]]
+    tcp: dict[str, int]
+
+
+def measure(fleet: HostFleet, model: Path, name: str, args: argparse.Namespace) -> Measured:
     prompts = shared_prefix_prompts(
         prefixes=args.prefixes, variants=args.variants, prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens
     )
@@ -125,12 +117,16 @@ def measure(fleet: HostFleet, model: Path, name: str, args: argparse.Namespace) 
     warm_server = fleet.server("vllmb", model, tp_size=2, kv_transfer_config=config, extra_args=SERVER_ARGS)
     try:
         run_load(warm_server, prompts[:2], references[:2], clients=2, duration_s=5)  # warm-up, untimed
-        before = {**time_breakdown(warm_server.metrics()), **tcp_breakdown(fleet)}
+        slow_before, tcp_before = time_breakdown(warm_server.metrics()), tcp_counts(fleet)
         report = run_load(warm_server, prompts, references, clients=args.clients, duration_s=args.seconds)
-        after = {**time_breakdown(warm_server.metrics()), **tcp_breakdown(fleet)}
+        slow_after, tcp_after = time_breakdown(warm_server.metrics()), tcp_counts(fleet)
         if report.errors or report.percentile(0.99) > 5:
             Path(f"/tmp/bench-fleet-{name}-server.log").write_text(warm_server.log)
-        return report, {key: (after[key][0] - before[key][0], after[key][1] - before[key][1]) for key in after}
+        slow = {
+            key: (slow_after[key][0] - slow_before[key][0], slow_after[key][1] - slow_before[key][1])
+            for key in slow_after
+        }
+        return Measured(report, slow, {label: tcp_after[label] - tcp_before[label] for label in tcp_after})
     finally:
         warm_server.stop()
 
@@ -148,13 +144,13 @@ def main() -> int:
     unknown = sorted(set(args.connectors.split(",")) - CONNECTORS.keys())
     if unknown:
         parser.error(f"unknown connector {', '.join(unknown)}: choose from {', '.join(CONNECTORS)}")
-    reports: dict[str, LoadReport] = {}
-    breakdowns: dict[str, dict[str, tuple[int, int]]] = {}
+    measured: dict[str, Measured] = {}
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as scratch:
         model = make_tiny_llama(Path(scratch) / "tiny-llama", num_kv_heads=1)
         with HostFleet(Path(scratch) / "fleet") as fleet:
             for name in args.connectors.split(","):
-                reports[name], breakdowns[name] = measure(fleet, model, name, args)
+                measured[name] = measure(fleet, model, name, args)
+    reports = {name: result.report for name, result in measured.items()}
     rows = [
         [
             name, report.clients, f"{report.duration_s:.0f}", report.requests, report.errors, report.mismatches,
@@ -173,10 +169,9 @@ def main() -> int:
         ["connector", "requests > 5 s", *(f"{phase} > 5 s" for phase in PHASES),
          *(f"{op} > 4 s" for op in STORE_OPERATIONS), *TCP_COUNTERS],
         [
-            [name, sum(latency > 5 for latency in reports[name].latencies_s),
-             *(f"{breakdown[key][0]}/{breakdown[key][1]}" for key in (*PHASES, *STORE_OPERATIONS)),
-             *(breakdown[label][0] for label in TCP_COUNTERS)]
-            for name, breakdown in breakdowns.items()
+            [name, sum(latency > 5 for latency in result.report.latencies_s),
+             *(f"{slow}/{count}" for slow, count in result.slow.values()), *result.tcp.values()]
+            for name, result in measured.items()
         ],
     ))
     print()

@@ -286,8 +286,9 @@ def lookup(
         worker._record_kv_connector_operation("lookup_exists", time.perf_counter() - started, len(keys))
         if read_failures is None:
             return results
+        masked_before = read_failures.masked
         answers = read_failures.mask(keys, results)
-        pool.probes.masked += sum(found != answered for found, answered in zip(results, answers, strict=True))
+        pool.probes.masked += read_failures.masked - masked_before
         return answers
 
     pool = ProbingBlockPool(worker.hash_block_size, candidates, worker._lookup_key_prefixes, walks(coord), probe)

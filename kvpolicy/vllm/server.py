@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from kvpolicy.vllm.e2e import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, child_e
 STARTUP_TIMEOUT_S = 300.0
 LOG_DIR_ENV = "KVPOLICY_SERVER_LOG_DIR"
 """Environment variable naming a directory where every server's log is written and kept (by default
-a log lives in the server's scratch directory and goes with it): what a failed CI run uploads."""
+a log lives in the server's scratch directory and goes with it, after a failure only its tail is shown)."""
 
 
 class ServerFailed(RuntimeError):
@@ -55,12 +56,21 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def metric_value(metrics_text: str, name: str) -> float:
-    """Sum of every sample of metric ``name`` (all label sets) in a Prometheus text exposition."""
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_value(metrics_text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of metric ``name`` in a Prometheus text exposition: of every label set, or
+    of those with ``labels`` (e.g. ``le="4.0"``, ``operation="load_get"``)."""
     total = 0.0
     for line in metrics_text.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            total += float(line.rsplit(" ", 1)[1])
+        if not (line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ")):
+            continue
+        if labels:
+            found = dict(_LABEL.findall(line[len(name) :].rpartition("}")[0]))
+            if any(found.get(key) != wanted for key, wanted in labels.items()):
+                continue
+        total += float(line.rsplit(" ", 1)[1])
     return total
 
 
