@@ -15,15 +15,11 @@ from typing import Literal
 from pydantic import Field
 
 from kvpolicy.diagnostics import PlanError
+from kvpolicy.keys import CHUNK_KEY_FORMAT, KEY_VERSION
 from kvpolicy.models import DocumentVersion, Layout, StrictModel, Topology
 from kvpolicy.plan import Plan
 from kvpolicy.traffic import Stores, group_stores
 
-KEY_VERSION = 1
-"""Version of the key recipe (prefix template fields, fingerprint inputs, chunk-hash spelling).
-1: vLLM 0.32/0.33's Mooncake store keys, kvpolicy's fingerprint as of kvpolicy 0.1."""
-
-CHUNK_KEY_FORMAT = "{prefix}@{chunk_hash}"
 MAX_CONTRACT_PREFIXES = 100_000
 """Prefixes one contract may list (every worker's, per group); real deployments list a few thousand."""
 

@@ -21,7 +21,7 @@ from typing import NamedTuple
 from kvpolicy.catalog import is_subclass
 from kvpolicy.diagnostics import PlanError, PlanProblem
 from kvpolicy.expressions import ExpressionError, Value
-from kvpolicy.keys import KeyContext, fingerprint
+from kvpolicy.keys import KeyContext, fingerprint, template_fields
 from kvpolicy.matcher import RuleMatch, layers_matching, layers_reason, match_spec, match_when, spec_variables
 from kvpolicy.models import (
     Group,
@@ -403,7 +403,7 @@ def _check_sharded_keys(policy: Policy) -> None:
     """Store-shard keys carry a shard id where rank-local keys carry a rank: without the store
     namespace or the fingerprint in the template they would collide with rank-local objects."""
     template = policy.key.template
-    if "{store_namespace}" not in template and "{fingerprint}" not in template:
+    if not template_fields(template) & {"store_namespace", "fingerprint"}:
         raise PlanError(
             f"key template '{template}' has neither {{store_namespace}} nor {{fingerprint}}: under vLLM's TP-sharded "
             "store layout its keys would name store shards exactly as rank-local keys name ranks, and load each "

@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import math
 import re
-import string
 import typing
 from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 from enum import Enum
@@ -39,6 +38,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, core_schema
 
 from kvpolicy.catalog import SPEC_FIELDS, is_subclass
 from kvpolicy.expressions import MAX_INT, Expression, ExpressionError, shared_expression
+from kvpolicy.keys import UPSTREAM_KEY_TEMPLATE, check_template
 
 TOPOLOGY_VARIABLES = ("tp_size", "pp_size", "pcp_size", "dcp_size", "total_num_kv_heads")
 """Variables every expression may read, besides the fields of the spec being matched."""
@@ -47,30 +47,6 @@ RESERVED_FIELD_NAMES = frozenset((*TOPOLOGY_VARIABLES, "block_size", "page_size_
 
 SPEC_VARIABLES = ("block_size", "page_size_bytes")
 """Spec attributes every layout states and expressions may read."""
-
-UPSTREAM_KEY_TEMPLATE = (
-    "{cache_prefix}{model}{store_namespace}"
-    "@tp_rank:{shard}@pcp{pcp_rank}@dcp{dcp_rank}@pp_rank:{pp_rank}@group:{group}"
-)
-"""vLLM's Mooncake store key prefix (0.32/0.33); chunk keys append ``@<chunk hash hex>``."""
-
-KEY_TEMPLATE_FIELDS = (
-    "cache_prefix",
-    "model",
-    "store_namespace",
-    "fingerprint",
-    "shard",
-    "pcp_rank",
-    "dcp_rank",
-    "pp_rank",
-    "group",
-)
-_DELIMITED_AFTER = ("cache_prefix",)
-"""Fields that end in their own separator: {cache_prefix} renders with a trailing '@' (or not at all)."""
-_DELIMITED_BEFORE = ("store_namespace",)
-"""Fields that start with their own separator: {store_namespace} is empty or starts with '@'."""
-REQUIRED_KEY_TEMPLATE_FIELDS = ("model", "shard", "pcp_rank", "dcp_rank", "pp_rank", "group")
-"""Without any of these, two different namespaces would render the same key."""
 
 
 def _parse_expression(value: Any) -> Expression:
@@ -432,36 +408,7 @@ class KeyFormat(StrictModel):
     @field_validator("template")
     @classmethod
     def _known_fields(cls, template: str) -> str:
-        # Parsed as str.format() will render it: "{{" and "}}" are literal braces, not fields.
-        try:
-            parts = list(string.Formatter().parse(template))
-        except ValueError as error:
-            raise ValueError(f"key template is not a format string: {error}") from None
-        used = [
-            name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
-            for _, name, spec, conversion in parts
-            if name is not None
-        ]
-        unknown = [name for name in used if name not in KEY_TEMPLATE_FIELDS]
-        if unknown:
-            raise ValueError(
-                f"unknown key template field {{{unknown[0]}}}; known: "
-                + ", ".join(f"{{{name}}}" for name in KEY_TEMPLATE_FIELDS)
-            )
-        for (_, before, _, _), (between, after, _, _) in zip(parts, parts[1:]):
-            if before is None or after is None or before in _DELIMITED_AFTER or after in _DELIMITED_BEFORE:
-                continue
-            if not any(not character.isdigit() for character in between):
-                raise ValueError(
-                    f"key template fields {{{before}}} and {{{after}}} need a separator (e.g. '@') between them; "
-                    "otherwise different values render the same key"
-                )
-        missing = [name for name in REQUIRED_KEY_TEMPLATE_FIELDS if name not in used]
-        if missing:
-            raise ValueError(
-                f"key template lacks {{{missing[0]}}}, so distinct namespaces would share keys"
-            )
-        return template
+        return check_template(template)
 
 
 class Audit(StrictModel):

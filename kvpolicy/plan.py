@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-import string
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvpolicy.keys import KeyContext, render_prefix
-from kvpolicy.models import KEY_TEMPLATE_FIELDS, AuditMode, LoadMode, Schedule, Topology
+from kvpolicy.keys import KeyContext, prefix_pieces, render_prefix
+from kvpolicy.models import AuditMode, LoadMode, Schedule, Topology
 from kvpolicy.store_layout import StoreSharding
 
 
@@ -109,24 +107,6 @@ class GroupPlan:
         return tuple(rank.tp_rank for rank in self.ranks if rank.schedule.writes(chunk_index))
 
 
-_GROUP_MARK = "\x00group\x00"
-"""Stands for the group index in :meth:`Plan._prefix_pieces`; a key value holding it too is noticed."""
-
-
-@functools.lru_cache(maxsize=256)
-def _group_fields(template: str) -> int | None:
-    """How many ``{group}`` fields ``template`` has, or None when any of its fields is more than a
-    known name (a format spec, a conversion, an index)."""
-    try:
-        parts = list(string.Formatter().parse(template))
-    except ValueError:
-        return None
-    fields = [(name, spec, conversion) for _, name, spec, conversion in parts if name is not None]
-    if any(name not in KEY_TEMPLATE_FIELDS or spec or conversion for name, spec, conversion in fields):
-        return None
-    return sum(1 for name, _, _ in fields if name == "group")
-
-
 @dataclass(frozen=True)
 class Plan:
     policy: str
@@ -163,17 +143,20 @@ class Plan:
         )
 
     def _prefix_pieces(self, shard: int, tp_rank: int, pcp_rank: int, pp_rank: int, demoted: bool) -> list[str] | None:
-        """:meth:`_prefix` of one namespace cut where the group index goes, so that
-        ``str(group).join(pieces)`` is its prefix for every group; None for a template whose fields
-        are not all plain (a format spec or conversion would render the index otherwise)."""
-        expected = _group_fields(self.key_template)
-        if expected is None:
-            return None
-        pieces = self._prefix(_GROUP_MARK, shard, tp_rank, pcp_rank, pp_rank, demoted).split(_GROUP_MARK)  # type: ignore[arg-type]
-        return pieces if len(pieces) == expected + 1 else None  # else the mark was in a value as well
+        """:func:`~kvpolicy.keys.prefix_pieces` of one namespace: its prefix cut where the group index goes."""
+        return prefix_pieces(
+            self.key_template,
+            self.key_context,
+            fingerprint=self.fingerprint,
+            shard=shard,
+            pcp_rank=pcp_rank,
+            dcp_rank=self.topology.dcp_rank(tp_rank, pcp_rank),
+            pp_rank=pp_rank,
+            demoted=demoted,
+        )
 
     def _prefix(self, group: int, shard: int, tp_rank: int, pcp_rank: int, pp_rank: int, demoted: bool) -> str:
-        prefix = render_prefix(
+        return render_prefix(
             self.key_template,
             self.key_context,
             fingerprint=self.fingerprint,
@@ -182,9 +165,5 @@ class Plan:
             pcp_rank=pcp_rank,
             dcp_rank=self.topology.dcp_rank(tp_rank, pcp_rank),
             pp_rank=pp_rank,
+            demoted=demoted,
         )
-        if demoted and "{fingerprint}" not in self.key_template:
-            # A demoted group's shard ids mean something else than under the declared factor; without the
-            # fingerprint in the template its keys would collide with instances that trust the rule.
-            prefix += f"@demoted:{self.fingerprint}"
-        return prefix

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvpolicy.keys import store_namespace
 from kvpolicy.models import Layout, Topology
 
 __all__ = ["SHARDED_FORMATS", "StoreSelection", "StoreSharding", "resolve_store_tp_size", "select_store_layout"]
@@ -62,7 +63,7 @@ class StoreSharding:
 
     def namespace(self, pp_size: int) -> str:
         """``TPShardedStoreLayout.shared_namespace``: the store namespace keys carry."""
-        return f"@store_tp:{self.store_tp_size}@store_pp:{pp_size}@store_format:{self.store_format}"
+        return store_namespace(store_tp=self.store_tp_size, store_pp=pp_size, store_format=self.store_format)
 
 
 @dataclass(frozen=True)
@@ -112,13 +113,13 @@ def select_store_layout(
             )
         if heads == 1:
             return StoreSelection(
-                f"@store_pp:{pp}@store_format:{MQA_FORMAT}",
+                store_namespace(store_pp=pp, store_format=MQA_FORMAT),
                 None,
                 "shared MQA (one KV head: every rank holds it, so the namespace omits the TP size)",
             )
         obstacle = f"{heads} KV heads do not split into {store_tp} store shards"
     return StoreSelection(
-        f"@store_pp:{pp}@store_format:rank_local_tp{tp}_layout_{kv_cache_layout}",
+        store_namespace(store_pp=pp, store_format=f"rank_local_tp{tp}_layout_{kv_cache_layout}"),
         None,
         f"rank-local in a namespace of its own TP size, because {obstacle}",
     )

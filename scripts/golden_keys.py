@@ -2,7 +2,7 @@
 
 Routers rebuild store keys, so a change of the key recipe (template rendering, fingerprint inputs)
 must never land by accident. ``tests/core/test_golden_keys.py`` recomputes every case and compares;
-after a deliberate change, bump ``KEY_VERSION`` in ``kvpolicy/contract.py`` (and say what changed in
+after a deliberate change, bump ``KEY_VERSION`` in ``kvpolicy/keys.py`` (and say what changed in
 its docstring), then run ``python scripts/golden_keys.py --write`` to record the new version's keys.
 """
 
@@ -17,7 +17,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvpolicy.contract import KEY_VERSION, key_contract  # noqa: E402
+from kvpolicy.contract import key_contract  # noqa: E402
+from kvpolicy.keys import KEY_VERSION  # noqa: E402
 from kvpolicy.engine import plan_deployment  # noqa: E402
 from kvpolicy.loader import load_layout, load_policy, shipped_policy_names  # noqa: E402
 from kvpolicy.models import Topology  # noqa: E402

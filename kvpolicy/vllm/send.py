@@ -30,6 +30,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import Req
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import KVCacheStoreSendingThread
 from vllm.logger import init_logger
 
+from kvpolicy.keys import split_chunk_key
+
 logger = init_logger(f"vllm.{__name__}")
 
 __all__ = ["MergedSaveSendingThread"]
@@ -161,7 +163,7 @@ class MergedSaveSendingThread(KVCacheStoreSendingThread):
         if not puts:
             return True
         group_ids = (
-            [upstream._make_mooncake_group_id(metadata, key.rsplit("@", 1)[-1]) for key, _, _, metadata in puts]
+            [upstream._make_mooncake_group_id(metadata, split_chunk_key(key)[1]) for key, _, _, metadata in puts]
             if self.enable_group_semantics and self.supports_group_ids
             else None
         )

@@ -7,13 +7,19 @@ from core_support import MODEL, full, layout, mamba, mla, policy, spec
 
 from kvpolicy.diagnostics import PlanError
 from kvpolicy.engine import make_plan
-from kvpolicy.keys import KeyContext
+from kvpolicy.keys import KeyContext, parse_prefix
 from kvpolicy.loader import load_policy, policies_dir
 from kvpolicy.models import Schedule, Topology
 
 VLLM_COMPAT = load_policy("vllm-compat")
 DEFAULT = load_policy("default")
 NO_DEDUP = load_policy("no-dedup")
+
+
+def ranks_of(namespace, the_plan):
+    """The rank and group fields a lookup namespace of ``the_plan`` names."""
+    parsed = parse_prefix(namespace, the_plan.key_template)
+    return {name: getattr(parsed, name) for name in ("shard", "pcp_rank", "dcp_rank", "pp_rank", "group")}
 
 
 def factors(policy, the_layout, **topology):
@@ -420,9 +426,9 @@ def test_replicated_under_dcp_makes_strided_replica_sets_one_namespace_each():
     (group,) = the_plan.groups
     assert (group.factor, group.shards) == (4, 2)
     assert {rank.replica_set for rank in group.ranks} == {(0, 2, 4, 6), (1, 3, 5, 7)}
-    assert [namespace.split("@", 1)[1] for namespace in group.lookup_namespaces] == [
-        "tp_rank:0@pcp0@dcp0@pp_rank:0@group:0",
-        "tp_rank:0@pcp0@dcp1@pp_rank:0@group:0",
+    assert [ranks_of(namespace, the_plan) for namespace in group.lookup_namespaces] == [
+        {"shard": 0, "pcp_rank": 0, "dcp_rank": 0, "pp_rank": 0, "group": 0},
+        {"shard": 0, "pcp_rank": 0, "dcp_rank": 1, "pp_rank": 0, "group": 0},
     ]
 
 
@@ -472,9 +478,9 @@ def test_dcp_over_the_pcp_axis_keeps_whole_head_runs_together_and_keys_the_pcp_r
     the_plan = make_plan(load_policy("default"), layout(mla(), heads=1), Topology(tp_size=4, pcp_size=2, dcp_size=2))
     (group,) = the_plan.groups
     assert group.factor == 4 and {rank.replica_set for rank in group.ranks} == {(0, 1, 2, 3)}
-    assert [namespace.split("@", 2)[2] for namespace in group.lookup_namespaces] == [
-        "tp_rank:0@pcp0@dcp0@pp_rank:0@group:0",
-        "tp_rank:0@pcp1@dcp1@pp_rank:0@group:0",
+    assert [ranks_of(namespace, the_plan) for namespace in group.lookup_namespaces] == [
+        {"shard": 0, "pcp_rank": 0, "dcp_rank": 0, "pp_rank": 0, "group": 0},
+        {"shard": 0, "pcp_rank": 1, "dcp_rank": 1, "pp_rank": 0, "group": 0},
     ]
 
 
@@ -482,7 +488,7 @@ def test_dcp_over_all_ranks_leaves_every_rank_its_own_tokens():
     the_plan = make_plan(load_policy("default"), layout(mla(), heads=1), Topology(tp_size=4, pcp_size=2, dcp_size=8))
     (group,) = the_plan.groups
     assert group.factor == 1
-    assert sorted(int(namespace.split("@dcp")[1].split("@")[0]) for namespace in group.lookup_namespaces) == list(range(8))
+    assert sorted(ranks_of(namespace, the_plan)["dcp_rank"] for namespace in group.lookup_namespaces) == list(range(8))
 
 
 def test_a_head_run_that_dcp_neither_divides_nor_is_divided_by_is_refused():

@@ -39,9 +39,9 @@ from hypothesis import strategies as st
 from kvpolicy.app.cli import main as cli_main
 from kvpolicy.diagnostics import MAX_MESSAGE_CHARS, Diagnostic
 from kvpolicy.expressions import MAX_INT, Expression, ExpressionError
-from kvpolicy.keys import KeyContext, render_prefix
+from kvpolicy.keys import KEY_TEMPLATE_FIELDS, KeyContext, render_prefix
 from kvpolicy.loader import MAX_DIAGNOSTICS_PER_FILE, check_file, check_text
-from kvpolicy.models import KEY_TEMPLATE_FIELDS, KeyFormat
+from kvpolicy.models import KeyFormat
 
 REPO = Path(__file__).resolve().parents[2]
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)

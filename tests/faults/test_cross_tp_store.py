@@ -17,7 +17,7 @@ from conftest import require
 require("vllm")
 require("mooncake.store")
 
-from kvpolicy.keys import split_chunk_key  # noqa: E402
+from kvpolicy.keys import parse_key  # noqa: E402
 from kvpolicy.loader import load_policy  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
@@ -91,14 +91,14 @@ def test_a_store_shard_holding_other_heads_is_loaded_as_wrong_bytes_on_the_rank_
     policy = load_policy("default")
     with Fleet("gqa-8kv", master=mooncake_master, clients=clients, num_tokens=NUM_TOKENS) as fleet:
         saved = fleet.instance(policy, 4, name="prefill", extra_config=STORE_TP, kv_cache_layout="LBHNC").save()
-        by_shard: dict[str, dict[str, str]] = {}
+        by_shard: dict[int, dict[str, str]] = {}
         for key in saved.keys_written:
-            namespace, chunk_hash = split_chunk_key(key)
-            shard = namespace.split("@tp_rank:")[1].split("@")[0]
-            by_shard.setdefault(shard, {})[chunk_hash] = key
+            parsed = parse_key(key, policy.key.template)
+            assert parsed.chunk_hash is not None
+            by_shard.setdefault(parsed.prefix.shard, {})[parsed.chunk_hash] = key
         client = fleet.client
-        for chunk_hash, key in by_shard["1"].items():
-            other = client.get(by_shard["2"][chunk_hash])
+        for chunk_hash, key in by_shard[1].items():
+            other = client.get(by_shard[2][chunk_hash])
             assert client.remove(key) == 0 and client.put(key, other) == 0
         decode = fleet.instance(policy, 2, name="decode", extra_config=STORE_TP, kv_cache_layout="LBHNC")
         lookup = decode.lookup()

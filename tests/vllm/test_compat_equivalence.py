@@ -57,7 +57,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvpolicy.engine import make_plan
-from kvpolicy.keys import KeyContext, chunk_key
+from kvpolicy.keys import KeyContext, chunk_key, split_chunk_key
 from kvpolicy.loader import load_policy
 from kvpolicy.models import Policy, Schedule, Topology
 from kvpolicy.plan import Plan
@@ -483,7 +483,7 @@ def test_under_pcp_with_dcp_upstreams_lookup_misses_its_own_keys_and_compats_fin
     # vLLM 0.32 writes with the DCP group's rank (the PCP axis first) but looks up with
     # tp_rank % dcp_size, so no stock instance ever hits there; vllm-compat writes the same keys and
     # looks up the namespaces it writes.
-    written = {key.rsplit("@", 1)[0] for key in upstream_keys(case)}
+    written = {split_chunk_key(key)[0] for key in upstream_keys(case)}
     theirs = {prefix for group in upstream(case)._lookup_key_prefixes for prefix in group}
     ours = {prefix for group in store.lookup_key_prefixes(plan_for(COMPAT, case)) for prefix in group}
     assert theirs - written and ours == written

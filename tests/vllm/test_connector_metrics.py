@@ -4,7 +4,6 @@ as a child of ``MultiConnector``)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector  # noqa: E402
 
+from kvpolicy.keys import parse_key  # noqa: E402
 from kvpolicy.loader import load_policy  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
@@ -29,8 +29,6 @@ from kvpolicy.vllm.metrics import METRICS, KVPolicyConnectorStats  # noqa: E402
 pytestmark = pytest.mark.integration
 
 NUM_TOKENS = 4 * BLOCK_SIZE + 1
-GROUP_FIELD = re.compile(r"@group:(\d+)@[0-9a-f]+$")
-"""The group a chunk key names (the default template's ``@group:G`` before the chunk hash)."""
 
 
 def stats_of(instance: Instance) -> KVPolicyConnectorStats:
@@ -44,12 +42,14 @@ def stats_of(instance: Instance) -> KVPolicyConnectorStats:
     return total
 
 
-def written_per_group(puts: Any) -> dict[str, int]:
+def written_per_group(puts: Any, template: str) -> dict[str, int]:
+    """Chunk keys written (not audit markers), per the group their namespace names."""
     counts: dict[str, int] = {}
     for _, key, code in puts:
-        found = GROUP_FIELD.search(key)
-        if found and code >= 0:
-            counts[found.group(1)] = counts.get(found.group(1), 0) + 1
+        parsed = parse_key(key, template)
+        if parsed.chunk_hash is not None and code >= 0:
+            group = str(parsed.prefix.group)
+            counts[group] = counts.get(group, 0) + 1
     return counts
 
 
@@ -64,7 +64,9 @@ def test_objects_written_are_counted_per_group_as_the_store_saw_them(fleet: Flee
     stats_of(instance)  # the plan, published at start-up
     outcome = instance.save()
     groups = stats_of(instance).data["kvpolicy"]["groups"]
-    assert {group: counts["objects_written"] for group, counts in groups.items()} == written_per_group(outcome.puts)
+    assert {group: counts["objects_written"] for group, counts in groups.items()} == written_per_group(
+        outcome.puts, instance.plan.key_template
+    )
 
 
 def test_what_no_dedup_would_write_is_each_object_times_its_replica_set(fleet: Fleet) -> None:
@@ -84,7 +86,9 @@ def test_a_second_save_of_stored_chunks_counts_puts_skipped(fleet: Fleet) -> Non
     stats_of(instance)
     instance.save(request="again")
     groups = stats_of(instance).data["kvpolicy"]["groups"]
-    assert {group: counts["puts_skipped_existing"] for group, counts in groups.items()} == written_per_group(first.puts)
+    assert {group: counts["puts_skipped_existing"] for group, counts in groups.items()} == written_per_group(
+        first.puts, instance.plan.key_template
+    )
     assert all(counts["objects_written"] == 0 for counts in groups.values())
 
 

@@ -13,6 +13,7 @@ from conftest import require
 require("vllm")
 require("mooncake.store")
 
+from kvpolicy.keys import split_chunk_key  # noqa: E402
 from kvpolicy.loader import load_policy  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
@@ -43,7 +44,7 @@ def state_keys(instance: Instance, keys: set[str] | dict[str, bytes]) -> set[str
         for tp_rank in range(instance.model.tp_size)
         for prefix in plan.key_prefixes(group, tp_rank, 0, 0)
     }
-    return {key for key in keys if key.rpartition("@")[0] in prefixes}
+    return {key for key in keys if split_chunk_key(key)[0] in prefixes}
 
 
 def data_calls(instance: Instance, rank: int) -> list[tuple[str, list[str]]]:
