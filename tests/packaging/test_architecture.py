@@ -13,13 +13,19 @@ REPO = Path(__file__).resolve().parents[2]
 CORE = ("models", "loader", "yamlsource", "expressions", "matcher", "engine", "plan", "keys", "audit",
         "diagnostics", "schema", "report", "catalog", "traffic", "dumper", "store_layout", "contract", "diff")
 LAYERS = {
+    "kvpolicy.runtime": {
+        "kvpolicy.vllm", "kvpolicy.mooncake", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.fleet",
+        "vllm", "torch", "mooncake",
+    },
     "kvpolicy.mooncake": {"kvpolicy.vllm", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.fleet", "vllm"},
     "kvpolicy.vllm": {"kvpolicy.sim", "kvpolicy.app", "kvpolicy.fleet"},
     "kvpolicy.sim": {"kvpolicy.app", "kvpolicy.fleet"},
     "kvpolicy.fleet": {"kvpolicy.app", "kvpolicy.sim", "vllm", "mooncake", "torch"},
 }
-"""Package → the packages it must not import (data flows one way: core → adapters → sim → app; the
-fleet of test hosts starts processes of the adapters and imports neither vLLM nor Mooncake itself)."""
+"""Package → the packages it must not import (data flows one way: core → runtime → adapters → sim → app;
+the run-time policy is written against declared ports, so it imports neither vLLM, torch, Mooncake
+nor any adapter; the fleet of test hosts starts processes of the adapters and imports neither vLLM
+nor Mooncake itself)."""
 
 
 def python_files(*roots: str) -> Iterator[Path]:

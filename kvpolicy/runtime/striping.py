@@ -1,0 +1,470 @@
+"""Striped loads, the part every rank computes alike: who reads which key, what each rank sends and
+receives, in which pieces, and where each byte goes in the staging buffers.
+
+Under ``load: striped`` a group whose plan gives a replica set of ``f`` ranks (byte-identical bytes,
+one shared namespace) is read as ``f`` disjoint stripes: of the group's keys in one load, sorted, the
+``j``-th is read from the store by member ``j % f`` of the replica set (:func:`stripe_owner`), which
+then sends it to the other members of that replica set, and to no other rank. So a rank receives
+``load − own stripe`` bytes: ``(f−1)/f`` of a replicated group's bytes when ``f`` divides its key
+count, and at most one key more otherwise (keys are whole objects).
+
+:func:`plan_stripes` turns one load (the keys and region sizes vLLM's receive thread hands the store)
+into a :class:`StripeSchedule` of :class:`StripePiece`\\ s. The pieces cut the load's replicated keys,
+in (group, position) order, into runs that stage at most ``budget_bytes`` per rank each (a key larger
+than the budget travels alone): every rank of a replica set stages exactly one copy of each of its
+keys (the owner to send, the others to receive), so the cut depends on key counts and sizes alone,
+which every TP rank shares, and every rank derives the same pieces without talking.
+
+In a piece, each owner's keys of a group form a :class:`StripeBlock` that travels as
+``[fingerprint | one ok flag per key | payload]``: the fingerprint (of the keys and region sizes)
+catches ranks out of step, the flags carry the owner's read results (a key its owner could not read
+is a failed get on every member). The payload is laid out slot-major (the first region of every key,
+then the second, ...): on an engine a slot is one KV-cache tensor, so the gather and the scatter are
+one indexed copy per tensor (:func:`index_runs`) instead of one copy per region.
+
+Nothing here imports vLLM or torch; :mod:`kvpolicy.vllm.striped` runs the schedule on tensors.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_PIECE_BUDGET_BYTES",
+    "FINGERPRINT_BYTES",
+    "IndexRun",
+    "Placement",
+    "StripeBlock",
+    "StripeCounts",
+    "StripePiece",
+    "StripeSchedule",
+    "StripeUnit",
+    "index_runs",
+    "locator",
+    "placements",
+    "plan_stripes",
+    "stripe_owner",
+]
+
+DEFAULT_PIECE_BUDGET_BYTES = 256 * 2**20
+"""Bytes one rank stages per exchange, at most (payload and headers; send and receive together): far
+below what gloo moves in its 120 s timeout, and a bounded transient in host (and device) memory."""
+FINGERPRINT_BYTES = 8
+
+
+def stripe_owner(position: int, replica_set: Sequence[int]) -> int:
+    """The TP rank that reads the ``position``-th (in sorted key order) key of a group."""
+    return replica_set[position % len(replica_set)]
+
+
+@dataclass(frozen=True)
+class StripeUnit:
+    """One key of a replicated group in one load."""
+
+    index: int
+    """Position of the key in the load's key list (what the result list is indexed by)."""
+    key: str
+    group: int
+    position: int
+    """Position among the load's keys of the group, in sorted key order: decides owner and piece."""
+    owner: int
+    """The TP rank that reads it from the store."""
+    sizes: tuple[int, ...]
+    """Bytes of each region the key's object fills, in the order the store call lists them."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+
+@dataclass(frozen=True)
+class StripeBlock:
+    """One owner's keys of one group in one piece, as they travel and sit in a staging buffer:
+    ``[fingerprint | one ok flag per key | payload]`` from :attr:`offset`."""
+
+    group: int
+    owner: int
+    replica_set: tuple[int, ...]
+    units: tuple[StripeUnit, ...]
+    offset: int
+    """Where the block starts in the staging buffer of its direction (send or receive)."""
+
+    @property
+    def receivers(self) -> tuple[int, ...]:
+        """The ranks it goes to: the owner's replica set but the owner."""
+        return tuple(rank for rank in self.replica_set if rank != self.owner)
+
+    @property
+    def header_bytes(self) -> int:
+        return FINGERPRINT_BYTES + len(self.units)
+
+    @property
+    def payload_offset(self) -> int:
+        return self.offset + self.header_bytes
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(unit.nbytes for unit in self.units)
+
+    @property
+    def nbytes(self) -> int:
+        return self.header_bytes + self.payload_bytes
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+    def fingerprint(self) -> bytes:
+        """A digest of the keys and their region sizes, the same on the owner and every receiver."""
+        digest = hashlib.blake2b(digest_size=FINGERPRINT_BYTES)
+        for unit in self.units:
+            digest.update(f"{unit.key}\x1f{','.join(map(str, unit.sizes))}\x1e".encode())
+        return digest.digest()
+
+    def header(self, ok: Sequence[bool]) -> bytes:
+        """The header the owner writes: the fingerprint, then 1 for each key it read, 0 for each it did not."""
+        if len(ok) != len(self.units):
+            raise ValueError(f"{len(ok)} flags for a block of {len(self.units)} keys")
+        return self.fingerprint() + bytes(1 if flag else 0 for flag in ok)
+
+    def read_header(self, header: bytes) -> tuple[bool, ...] | None:
+        """The owner's flags, or None when the header is not this block's (the ranks are out of step)."""
+        if len(header) != self.header_bytes or header[:FINGERPRINT_BYTES] != self.fingerprint():
+            return None
+        return tuple(flag == 1 for flag in header[FINGERPRINT_BYTES:])
+
+    def region_offsets(self) -> tuple[tuple[int, ...], ...]:
+        """Where each region of each unit sits in the staging buffer: slot-major (region 0 of every
+        unit, then region 1, ...) when all units have the same region sizes, key-major otherwise."""
+        offset = self.payload_offset
+        shapes = {unit.sizes for unit in self.units}
+        if len(shapes) == 1:
+            (sizes,) = shapes
+            columns: list[list[int]] = [[] for _ in self.units]
+            for size in sizes:
+                for column in columns:
+                    column.append(offset)
+                    offset += size
+            return tuple(tuple(column) for column in columns)
+        rows = []
+        for unit in self.units:
+            row = []
+            for size in unit.sizes:
+                row.append(offset)
+                offset += size
+            rows.append(tuple(row))
+        return tuple(rows)
+
+
+@dataclass(frozen=True)
+class StripePiece:
+    """One exchange: the keys this rank reads for it, the blocks it sends and those it receives."""
+
+    reads: tuple[StripeUnit, ...]
+    """This rank's own keys of the piece, to read from the store before the exchange."""
+    outgoing: tuple[StripeBlock, ...]
+    """This rank's blocks (one per group it owns keys of), in the send staging buffer."""
+    incoming: tuple[StripeBlock, ...]
+    """Its peers' blocks, in the receive staging buffer; groups ascending, then owners ascending."""
+
+    @property
+    def send_bytes(self) -> int:
+        return self.outgoing[-1].end if self.outgoing else 0
+
+    @property
+    def receive_bytes(self) -> int:
+        return self.incoming[-1].end if self.incoming else 0
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes this rank stages for the piece, send and receive together."""
+        return self.send_bytes + self.receive_bytes
+
+    def sends(self) -> tuple[tuple[int, StripeBlock], ...]:
+        """(peer, block) of every transfer out, in the order each peer lists its receives from this rank."""
+        return tuple((peer, block) for block in self.outgoing for peer in block.receivers)
+
+
+@dataclass(frozen=True)
+class StripeSchedule:
+    """What one rank does for one load."""
+
+    tp_rank: int
+    budget_bytes: int
+    local: tuple[int, ...]
+    """Indices of the keys this rank reads for itself alone (no replica set: nothing to exchange)."""
+    pieces: tuple[StripePiece, ...]
+    load_bytes: int
+    """Bytes of every key of the load on this rank: what it ends with when all goes well."""
+
+    @property
+    def units_read(self) -> tuple[StripeUnit, ...]:
+        return tuple(unit for piece in self.pieces for unit in piece.reads)
+
+    @property
+    def units_received(self) -> tuple[StripeUnit, ...]:
+        return tuple(unit for piece in self.pieces for block in piece.incoming for unit in block.units)
+
+    @property
+    def bytes_received(self) -> int:
+        """Payload bytes this rank receives when every transfer arrives."""
+        return sum(unit.nbytes for unit in self.units_received)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank sends, counted once per receiver."""
+        return sum(block.payload_bytes for piece in self.pieces for _, block in piece.sends())
+
+    @property
+    def peak_staged_bytes(self) -> int:
+        return max((piece.staged_bytes for piece in self.pieces), default=0)
+
+
+def plan_stripes(
+    keys: Sequence[str],
+    sizes: Sequence[Sequence[int]],
+    *,
+    tp_rank: int,
+    group_of_key: Callable[[str], int | None],
+    replica_set_of: Callable[[int], Sequence[int]],
+    budget_bytes: int = DEFAULT_PIECE_BUDGET_BYTES,
+) -> StripeSchedule:
+    """This rank's schedule for a load of ``keys`` (``sizes``: each key's region sizes).
+
+    ``group_of_key(key)`` is the group a key belongs to (None: no plan namespace; read alone);
+    ``replica_set_of(group)`` this rank's replica set in that group (it includes ``tp_rank``).
+    Every rank of a replica set holds the same keys of the group, so each derives the same owners,
+    pieces and layouts as its peers.
+    """
+    if budget_bytes < 1:
+        raise ValueError(f"the piece budget must be at least 1 byte, got {budget_bytes}")
+    if len(keys) != len(sizes):
+        raise ValueError(f"{len(keys)} keys but {len(sizes)} size lists")
+    members: dict[int, tuple[int, ...]] = {}
+    by_group: dict[int, list[int]] = {}
+    local: list[int] = []
+    for index, key in enumerate(keys):
+        group = group_of_key(key)
+        if group is not None and group not in members:
+            replica_set = tuple(replica_set_of(group))
+            if len(replica_set) > 1 and tp_rank not in replica_set:
+                raise ValueError(f"tp rank {tp_rank} is not in its own replica set {replica_set} of group {group}")
+            members[group] = replica_set
+        if group is None or len(members[group]) < 2:
+            local.append(index)
+        else:
+            by_group.setdefault(group, []).append(index)
+    units = [
+        StripeUnit(index, keys[index], group, position, stripe_owner(position, members[group]), tuple(sizes[index]))
+        for group in sorted(by_group)
+        for position, index in enumerate(sorted(by_group[group], key=lambda index: keys[index]))
+    ]
+    factors = {group: len(members[group]) for group in by_group}
+    pieces = tuple(_piece(run, members, tp_rank) for run in _cut(units, factors, budget_bytes))
+    load_bytes = sum(sum(region_sizes) for region_sizes in sizes)
+    return StripeSchedule(tp_rank, budget_bytes, tuple(local), pieces, load_bytes)
+
+
+def _cut(units: Sequence[StripeUnit], factors: dict[int, int], budget_bytes: int) -> list[list[StripeUnit]]:
+    """Runs of ``units`` (in order) staging at most ``budget_bytes`` each on any rank: a key costs its
+    bytes and its flag on every member, a group present in a piece ``f`` fingerprints (the owner's
+    block and ``f − 1`` received ones)."""
+    runs: list[list[StripeUnit]] = []
+    run: list[StripeUnit] = []
+    cost = 0
+    for unit in units:
+        opens_group = not run or run[-1].group != unit.group
+        added = unit.nbytes + 1 + (FINGERPRINT_BYTES * factors[unit.group] if opens_group else 0)
+        if run and cost + added > budget_bytes:
+            runs.append(run)
+            run, cost = [], 0
+            added = unit.nbytes + 1 + FINGERPRINT_BYTES * factors[unit.group]
+        run.append(unit)
+        cost += added
+    if run:
+        runs.append(run)
+    return runs
+
+
+def _piece(units: Sequence[StripeUnit], members: dict[int, tuple[int, ...]], tp_rank: int) -> StripePiece:
+    by_group: dict[int, list[StripeUnit]] = {}
+    for unit in units:
+        by_group.setdefault(unit.group, []).append(unit)
+    outgoing: list[StripeBlock] = []
+    incoming: list[StripeBlock] = []
+    send_offset = receive_offset = 0
+    for group in sorted(by_group):
+        replica_set = members[group]
+        for owner in sorted(replica_set):
+            owned = tuple(unit for unit in by_group[group] if unit.owner == owner)
+            if not owned:
+                continue
+            if owner == tp_rank:
+                block = StripeBlock(group, owner, replica_set, owned, send_offset)
+                outgoing.append(block)
+                send_offset = block.end
+            else:
+                block = StripeBlock(group, owner, replica_set, owned, receive_offset)
+                incoming.append(block)
+                receive_offset = block.end
+    reads = tuple(unit for block in outgoing for unit in block.units)
+    return StripePiece(reads, tuple(outgoing), tuple(incoming))
+
+
+# --- where the bytes go --------------------------------------------------------------------------
+
+
+Placement = tuple[int, int, int]
+"""(offset in a staging buffer, address in the KV cache, size) of one region."""
+
+
+def placements(
+    blocks: Iterable[StripeBlock],
+    addresses: Sequence[Sequence[int]],
+    *,
+    only: Callable[[StripeUnit], bool] | None = None,
+) -> list[Placement]:
+    """Every region of the blocks' units (of those ``only`` keeps), in staging order;
+    ``addresses[unit.index]`` are the unit's region addresses on this rank."""
+    found: list[Placement] = []
+    for block in blocks:
+        for unit, offsets in zip(block.units, block.region_offsets(), strict=True):
+            if only is not None and not only(unit):
+                continue
+            region_addresses = addresses[unit.index]
+            if len(region_addresses) != len(unit.sizes):
+                raise ValueError(f"key {unit.key}: {len(region_addresses)} addresses for {len(unit.sizes)} regions")
+            found.extend(zip(offsets, region_addresses, unit.sizes, strict=True))
+    found.sort()
+    return found
+
+
+@dataclass(frozen=True)
+class IndexRun:
+    """A stretch of a staging buffer whose bytes all come from (or go to) one KV-cache tensor: one
+    indexed copy. The tensor's bytes are viewed as rows of ``row_bytes``; ``spans`` list the rows, in
+    staging order, as (first row, number of rows)."""
+
+    storage: int
+    """Which KV-cache tensor (the locating function's numbering)."""
+    start: int
+    """Byte offset in the staging buffer."""
+    nbytes: int
+    row_bytes: int
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def rows(self) -> int:
+        return self.nbytes // self.row_bytes
+
+
+def index_runs(found: Sequence[Placement], locate: Callable[[int, int], tuple[int, int]]) -> tuple[IndexRun, ...]:
+    """The indexed copies that move ``found`` (in staging order): consecutive regions of one tensor,
+    back to back in the staging buffer, share a run. ``locate(address, size)`` is (tensor, offset in
+    it), and raises for bytes outside every tensor."""
+    runs: list[IndexRun] = []
+    current: list[tuple[int, int]] = []  # (offset in the tensor, size)
+    storage = start = end = -1
+    for staging_offset, address, size in found:
+        where, offset = locate(address, size)
+        if current and (where != storage or staging_offset != end):
+            runs.append(_run(storage, start, current))
+            current = []
+        if not current:
+            storage, start, end = where, staging_offset, staging_offset
+        current.append((offset, size))
+        end += size
+    if current:
+        runs.append(_run(storage, start, current))
+    return tuple(runs)
+
+
+def _run(storage: int, start: int, regions: Sequence[tuple[int, int]]) -> IndexRun:
+    row_bytes = 0
+    for offset, size in regions:
+        row_bytes = math.gcd(row_bytes, offset, size)
+    row_bytes = max(row_bytes, 1)
+    spans: list[tuple[int, int]] = []
+    for offset, size in regions:
+        first, rows = offset // row_bytes, size // row_bytes
+        if spans and spans[-1][0] + spans[-1][1] == first:
+            spans[-1] = (spans[-1][0], spans[-1][1] + rows)
+        else:
+            spans.append((first, rows))
+    return IndexRun(storage, start, sum(size for _, size in regions), row_bytes, tuple(spans))
+
+
+def locator(starts: Sequence[int], lengths: Sequence[int]) -> Callable[[int, int], tuple[int, int]]:
+    """``locate`` for tensors starting at ``starts`` (ascending) with ``lengths`` bytes each."""
+
+    def locate(address: int, size: int) -> tuple[int, int]:
+        where = bisect.bisect_right(starts, address) - 1
+        if where < 0 or address + size > starts[where] + lengths[where]:
+            raise ValueError(f"bytes {address:#x}+{size} are not inside one registered KV-cache tensor")
+        return where, address - starts[where]
+
+    return locate
+
+
+# --- what a rank moved ---------------------------------------------------------------------------
+
+_PEAKS = frozenset({"peak_host_staging_bytes", "peak_device_staging_bytes", "peak_index_bytes"})
+
+
+@dataclass(frozen=True)
+class StripeCounts:
+    """What striped loads moved on one rank, cumulative (tests and the benchmark read it). Sums,
+    except the ``peak_*`` fields: the most any one piece held."""
+
+    loads: int = 0
+    """Loads that ran the striped schedule (not those read per rank after a failed exchange)."""
+    exchanges: int = 0
+    """Exchange calls made (one per piece while the exchange works)."""
+    keys_loaded: int = 0
+    bytes_loaded: int = 0
+    """Bytes of every key the loads asked for on this rank: the denominator of the ratios."""
+    keys_read: int = 0
+    """Keys this rank read from the store."""
+    keys_received: int = 0
+    """Keys whose bytes came whole from another member of the replica set."""
+    bytes_received: int = 0
+    """Payload bytes of those keys (headers not counted: 9 bytes a block and 1 a key)."""
+    bytes_sent: int = 0
+    """Payload bytes sent, once per receiver."""
+    keys_failed: int = 0
+    """Keys reported failed because their owner could not read them or the exchange failed."""
+    device_to_host_copies: int = 0
+    """Bulk copies of a piece's send staging from the device to host memory (0 on CPU tensors)."""
+    host_to_device_copies: int = 0
+    """Bulk copies of a piece's receive staging from host memory to the device (0 on CPU tensors)."""
+    index_uploads: int = 0
+    """Copies of a piece's row indices to the device (0 on CPU tensors)."""
+    header_copies: int = 0
+    """Block headers written to or read from device buffers (an NCCL exchange only)."""
+    gather_ops: int = 0
+    """Indexed copies from the KV cache into send staging: one per KV-cache tensor a piece touches."""
+    scatter_ops: int = 0
+    """Indexed copies from receive staging into the KV cache."""
+    peak_host_staging_bytes: int = 0
+    """Host staging buffers of one piece (send and receive), at most."""
+    peak_device_staging_bytes: int = 0
+    """Device staging buffers of one piece, at most (0 where the KV cache is host memory)."""
+    peak_index_bytes: int = 0
+    """Row indices (int64) built for one piece, at most."""
+
+    def __add__(self, other: StripeCounts) -> StripeCounts:
+        return StripeCounts(
+            **{
+                name: (max if name in _PEAKS else int.__add__)(getattr(self, name), getattr(other, name))
+                for name in self.__dataclass_fields__
+            }
+        )
+
+    @property
+    def copies(self) -> int:
+        """Bulk and index copies across the host–device boundary."""
+        return self.device_to_host_copies + self.host_to_device_copies + self.index_uploads + self.header_copies
