@@ -33,6 +33,7 @@ from kvpolicy.audit import AuditState
 from kvpolicy.keys import chunk_key
 from kvpolicy.models import Policy
 from kvpolicy.plan import Plan
+from kvpolicy.runtime.collective import ThreadExchange
 from kvpolicy.sim import content, scheduler
 from kvpolicy.sim.collective import ThreadGather
 from kvpolicy.sim.model import SimulatedModel
@@ -190,10 +191,10 @@ class Instance:
         self.timeout = timeout
         self.prompt = Prompt(fleet.token_ids, tuple(scheduler.block_hashes(fleet.token_ids, model.hash_block_size)))
         self._collective = ThreadGather(self.tp_size, timeout=timeout)
-        # Striped loads exchange stripes from the receive threads: a collective of their own, as on an
-        # engine (a dedicated gloo group), so that they never interleave with the audit's. Its timeout is
-        # shorter than a load's drain wait: a rank alone in an exchange fails its load, and is seen to.
-        self._exchange = ThreadGather(self.tp_size, timeout=timeout / 2)
+        # Striped loads exchange stripes from the receive threads: point to point within replica sets, on
+        # a collective of their own as on an engine (a dedicated gloo group), never the audit's. Its timeout
+        # is shorter than a load's drain wait: a rank alone in an exchange fails its load, and is seen to.
+        self._exchange = ThreadExchange(self.tp_size, timeout=timeout / 2)
         # One thread per rank for the instance's life, as the engine has one process per rank.
         self._pool = ThreadPoolExecutor(max_workers=self.tp_size, thread_name_prefix=f"sim-{name}")
         self._saves: dict[tuple[int, str], SaveRequest] = {}

@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import M
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvpolicy.models import Policy
+from kvpolicy.runtime.collective import PeerExchange
 from kvpolicy.sim.model import SimulatedModel
 from kvpolicy.sim.store import RecordingStore
 from kvpolicy.vllm.standalone import Ranks, init_standalone
@@ -53,7 +54,7 @@ class Rank:
         client: Any,
         *,
         gather: Callable[[Any], Sequence[Any]],
-        exchange: Callable[[Any], Sequence[Any]] | None = None,
+        exchange: PeerExchange | None = None,
     ) -> Rank:
         """Rank ``tp_rank`` of ``model`` under ``policy`` (None: vLLM's own rules), registered and running."""
         store = RecordingStore(client)

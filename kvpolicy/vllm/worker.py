@@ -35,6 +35,7 @@ from kvpolicy.loader import schemas_dir
 from kvpolicy.models import Layout, LoadMode, Policy, Topology
 from kvpolicy.plan import Plan
 from kvpolicy.report import format_plan_table, plan_to_json
+from kvpolicy.runtime.collective import PeerExchange
 from kvpolicy.store_layout import StoreSharding
 from kvpolicy.vllm import audit as online_audit
 from kvpolicy.vllm import store
@@ -45,7 +46,7 @@ from kvpolicy.vllm.metrics import CountingStore, KVPolicyConnectorStats, Tally, 
 from kvpolicy.vllm.read_failures import ReadFailures, RecordingReadStore, ttl_from_extra_config
 from kvpolicy.vllm.send import MergedSaveSendingThread
 from kvpolicy.vllm.standalone import Ranks, init_standalone
-from kvpolicy.vllm.striped import StripedReadStore, exchange_over_tp, striping_possible
+from kvpolicy.vllm.striped import KVStorages, StripedReadStore, StripedSettings, exchange_over_tp, striping_possible
 
 # Under "vllm." so records reach vLLM's own handler (it configures only the "vllm" logger tree).
 logger = init_logger(f"vllm.{__name__}")
@@ -133,14 +134,15 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         model: str,
         total_num_kv_heads: int,
         gather: Callable[[Any], Sequence[Any]],
-        exchange: Callable[[Any], Sequence[Any]] | None = None,
+        exchange: PeerExchange | None = None,
     ) -> Self:
         """This worker without vLLM's distributed runtime (:mod:`kvpolicy.vllm.standalone`): the
         ranks, the store client and the TP collective are given instead of read off torch.distributed
         (``gather(payload)`` returns every TP rank's payload, indexed by TP rank, as
-        :func:`~kvpolicy.vllm.audit.gather_over_tp` does over gloo), and ``exchange`` the same for striped
-        loads, called from the receive thread (:func:`~kvpolicy.vllm.striped.exchange_over_tp` on an
-        engine). Plans, audits, gates lookups, schedules puts and stripes loads exactly as on an engine;
+        :func:`~kvpolicy.vllm.audit.gather_over_tp` does over gloo), and ``exchange`` the point-to-point
+        exchange of striped loads, called from the receive thread
+        (:func:`~kvpolicy.vllm.striped.exchange_over_tp` on an engine). Plans, audits, gates lookups,
+        schedules puts and stripes loads exactly as on an engine;
         :mod:`kvpolicy.sim` runs its ranks this way."""
         worker = cls.__new__(cls)
         worker._init_policy_state(
@@ -162,7 +164,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         model: str,
         is_first_rank: bool,
         gather: Callable[[Any], Sequence[Any]],
-        exchange: Callable[[Any], Sequence[Any]] | None = None,
+        exchange: PeerExchange | None = None,
     ) -> None:
         """What the override points read besides upstream's own attributes (model and cache prefix
         exactly as upstream reads them for ``KeyMetadata``; where rank 0 captures the layout)."""
@@ -174,6 +176,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._model = model
         self._cache_prefix = str(extra_config.get("cache_prefix", ""))
         self._read_failures = ReadFailures(ttl_from_extra_config(extra_config))
+        self._striped_settings = StripedSettings.from_extra_config(extra_config)
         self._gather = gather
         self._exchange = exchange
         self._last_lookup_gated = False
@@ -363,13 +366,13 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             # One exists check and one put per job for boundary states and chunks together; outside
             # the counting view, so that it counts the boundary keys riding on the chunk calls.
             MergedSaveSendingThread.adopt(self.kv_send_thread)
-        self._stripe_loads()
+        self._stripe_loads(kv_caches)
         if self._read_failures.ttl_s > 0:
             # Outermost, so that it sees every failure vLLM sees (striped loads report their own).
             for thread in self.kv_recv_threads:
                 thread.store = RecordingReadStore(thread.store, self._read_failures)
 
-    def _stripe_loads(self) -> None:
+    def _stripe_loads(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Under ``load: striped``, give the receive threads the striping view of the store."""
         plan = self._require_plan()
         replicated = any(len(rank.replica_set) > 1 for group in plan.groups for rank in group.ranks)
@@ -382,17 +385,23 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             if self.tp_rank == 0:
                 logger.warning("kvpolicy: load: striped falls back to reads on every rank: %s", why)
             return
-        exchange = self._exchange if self._exchange is not None else exchange_over_tp()
-        assert self._block_reader is not None
+        settings = self._striped_settings
+        exchange = self._exchange if self._exchange is not None else exchange_over_tp(settings)
+        storages = KVStorages.of_kv_caches(kv_caches)
         for thread in self.kv_recv_threads:
             thread.store = StripedReadStore(
                 thread.store,
                 tp_rank=self.tp_rank,
-                plan=self._require_plan,
                 group_of_key=self._group_of_key,
+                replica_set_of=self._replica_set_of,
                 exchange=exchange,
-                region=self._block_reader.region,
+                storages=storages,
+                piece_budget_bytes=settings.piece_budget_bytes,
             )
+
+    def _replica_set_of(self, group: int) -> tuple[int, ...]:
+        """This rank's replica set in ``group``, as the plan it runs now says."""
+        return self._require_plan().groups[group].ranks[self.tp_rank].replica_set
 
     def _group_of_key(self, key: str) -> int | None:
         """The group a store key of this rank belongs to (None for a key of no namespace it writes)."""
