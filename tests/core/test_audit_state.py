@@ -27,6 +27,8 @@ from kvpolicy.audit import (
     digest_blocks,
     distances_to_reference,
     relative_distance,
+    rounding_tolerance,
+    value_comparison,
 )
 from kvpolicy.engine import make_plan
 from kvpolicy.loader import load_layout, load_policy
@@ -305,3 +307,65 @@ def test_distances_are_measured_against_the_first_rank_of_each_replica_set(layou
     samples = [{0: [1.0, 2.0]}, {0: [1.0, 2.0]}, {0: [-1.0, -2.0]}, None]
     distances = distances_to_reference(state.plan, samples, [0])
     assert distances == {0: {1: 0.0, 2: pytest.approx(2.0)}}
+
+
+# --- quantized caches: what the values are, and when only exact digests count ----------------------
+
+E5M2 = value_comparison("fp8_e5m2", stored="uint8", element="float8_e5m2")
+PER_TOKEN_HEAD = value_comparison("fp8_per_token_head", stored="uint8", scales_in_block=True)
+
+
+def test_the_rounding_tolerance_is_one_ulp_of_an_fp8_type_and_the_default_for_wider_types() -> None:
+    # 3 and 2 stored mantissa bits: one unit in the last place is 2**-3 and 2**-2 of a value.
+    assert rounding_tolerance("float8_e4m3fn") == rounding_tolerance("float8_e4m3fnuz") == 2.0**-3
+    assert rounding_tolerance("float8_e5m2") == 2.0**-2
+    assert rounding_tolerance("bfloat16") == rounding_tolerance("float32") == REPLICA_TOLERANCE
+
+
+def test_bytes_vllm_names_an_fp8_type_for_are_compared_in_it() -> None:
+    assert (E5M2.element, E5M2.exact, E5M2.tolerance) == ("float8_e5m2", False, 2.0**-2)
+
+
+def test_a_cache_stored_in_a_float_type_is_compared_in_it() -> None:
+    found = value_comparison("auto", stored="bfloat16")
+    assert (found.element, found.exact, found.tolerance) == ("bfloat16", False, REPLICA_TOLERANCE)
+
+
+def test_codes_of_no_known_number_type_are_compared_by_exact_digests() -> None:
+    found = value_comparison("fp8", stored="uint8")
+    assert found.exact and found.element is None and "uint8 codes" in found.reason
+
+
+def test_scales_in_the_block_require_exact_digests_whatever_the_stored_type() -> None:
+    assert PER_TOKEN_HEAD.exact and "scales inside its blocks" in PER_TOKEN_HEAD.reason
+    assert value_comparison("custom", stored="float16", scales_in_block=True).exact
+
+
+def test_a_group_compared_by_exact_digests_is_never_sampled(layout) -> None:
+    state = state_for(layout)
+    assert state.groups_needing_values(reports(SAME, OTHER, SAME, SAME), {0: PER_TOKEN_HEAD}) == ()
+    assert state.groups_needing_values(reports(SAME, OTHER, SAME, SAME), {0: E5M2}) == (0,)
+
+
+def test_a_group_compared_by_exact_digests_is_demoted_however_close_its_values_and_the_error_says_why(layout) -> None:
+    outcome = state_for(layout).conclude(
+        reports(SAME, OTHER, SAME, SAME), distances={0: {1: 0.0}}, comparisons={0: PER_TOKEN_HEAD}
+    )
+    assert outcome.demoted == (0,)
+    (message,) = outcome.messages
+    assert "compared by exact digests only" in message and PER_TOKEN_HEAD.reason in message
+
+
+def test_equal_digests_agree_under_exact_comparison(layout) -> None:
+    outcome = state_for(layout).conclude(reports(SAME, SAME, SAME, SAME), comparisons={0: PER_TOKEN_HEAD})
+    assert [audit.verdict for audit in outcome.audits] == [Verdict.AGREED]
+
+
+def test_each_group_is_judged_within_its_own_types_tolerance(layout) -> None:
+    # 0.2 is beyond the default 0.1 but within one ulp of e5m2 (0.25); 0.3 is beyond both.
+    within = state_for(layout).conclude(reports(SAME, OTHER, SAME, SAME), distances={0: {1: 0.2}}, comparisons={0: E5M2})
+    assert within.audits[0].verdict is Verdict.AGREED and within.audits[0].distance == 0.2
+    beyond = state_for(layout).conclude(reports(SAME, OTHER, SAME, SAME), distances={0: {1: 0.3}}, comparisons={0: E5M2})
+    assert beyond.demoted == (0,) and "exact digests" not in beyond.messages[0]
+    default = state_for(layout).conclude(reports(SAME, OTHER, SAME, SAME), distances={0: {1: 0.2}})
+    assert default.demoted == (0,)

@@ -11,12 +11,14 @@ corrupt the warm load — proof that the simulation can see the difference.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -26,15 +28,20 @@ require("vllm")
 require("mooncake.store")
 
 import torch  # noqa: E402
+from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, get_kv_quant_mode  # noqa: E402
 
 from kvpolicy.audit import (  # noqa: E402
     DEMOTION_MESSAGE_LIMIT,
+    FLOAT_MANTISSA_BITS,
     AuditState,
     AuditStatus,
     Digest,
     ReplicationAuditError,
     agreement_key,
     demotion_key,
+    relative_distance,
+    rounding_tolerance,
 )
 from kvpolicy.engine import make_plan  # noqa: E402
 from kvpolicy.loader import load_layout, load_policy  # noqa: E402
@@ -43,6 +50,7 @@ from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.vllm import audit as online_audit  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import ARCHETYPES, BLOCK_SIZE, ConsistencyReport, Fleet, build_model, run_consistency  # noqa: E402
+from kvpolicy.sim.archetypes import Archetype  # noqa: E402
 from kvpolicy.sim import content, scheduler  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -477,25 +485,38 @@ def test_the_audit_command_passes_a_correct_policy_on_a_layout(capsys: pytest.Ca
 # --- replicas equal up to rounding (vLLM's CPU all-reduce at TP=4), on real worker objects ------
 
 
+def _random_floats(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
+
+
 def _replicated_ranks(
     master: MooncakeMaster,
     clients: ClientPool,
-    archetype: str,
+    archetype: str | Archetype,
     policy_source: str,
     tp_size: int,
     perturb: Callable[[int, torch.Tensor], None],
+    *,
+    values: Callable[[torch.Tensor, torch.Generator], torch.Tensor] = _random_floats,
+    cache_dtype: str | None = None,
 ):
-    """A ``tp_size`` instance of ``archetype`` under a policy, whose KV tensors hold the same float
-    values on every rank, then ``perturb(rank, tensor)`` per layer tensor; saves once (the audited
-    step of every rank's ``KVPolicyStoreWorker.wait_for_save``) and returns the audit's step outcome."""
+    """A ``tp_size`` instance of ``archetype`` under a policy, whose KV tensors hold the same
+    ``values(tensor, generator)`` on every rank (random floats in the tensor's dtype), then
+    ``perturb(rank, tensor)`` per layer tensor; saves once (the audited step of every rank's
+    ``KVPolicyStoreWorker.wait_for_save``) and returns the audit's step outcome. ``cache_dtype`` is
+    vLLM's cache dtype setting the workers read (``cache_config.cache_dtype``)."""
     policy = with_audit(load_policy(policy_source), AuditMode.WARN)
     with Fleet(archetype, master=master, clients=clients, num_tokens=256) as fleet:
         instance = fleet.instance(policy, tp_size, name="rounding")
+        if cache_dtype is not None:
+            # The workers' own CacheConfig object, set as a GPU engine's would be; vLLM's CPU platform takes no
+            # fp8 setting when the config is built.
+            instance.model.vllm_config.cache_config.cache_dtype = cache_dtype
         for rank in instance.ranks:
             generator = torch.Generator().manual_seed(7)  # the same values on every rank
             for value in rank.kv_caches.values():
                 for tensor in content.layer_tensors(value):
-                    tensor.copy_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype))
+                    tensor.copy_(values(tensor, generator))
                     perturb(rank.tp_rank, tensor)
         instance.save(fill=False)
         assert instance.audit is not None
@@ -565,3 +586,183 @@ def test_the_vectorised_distance_is_the_pure_one() -> None:
     assert online_audit.tensor_distance(a, b) == pytest.approx(relative_distance(a, b), rel=1e-9)
     assert online_audit.tensor_distance(array("f", [2.0] * 10), array("f", [0.0] * 10)) == 1.0
     assert math.isnan(online_audit.tensor_distance(a, array("f", [0.0] * 1000)))  # NaN against a number
+
+
+# --- fp8 caches, stored as uint8 as vLLM allocates them, on real worker objects --------------------
+
+FP8 = [("fp8_e4m3", "float8_e4m3fn", 0x7E), ("fp8_e5m2", "float8_e5m2", 0x7B)]
+"""(cache dtype, the fp8 type its bytes are, the largest finite magnitude code of that type)."""
+DS_MLA_BYTES_PER_TOKEN = 656
+
+
+def _mla_archetype(cache_dtype: str) -> Archetype:
+    """The ``mla`` archetype (its latent replicated on every rank) with its layers' specs as vLLM's
+    ``MLAAttention.get_kv_cache_spec`` builds them under ``cache_dtype``."""
+    packed = cache_dtype == "fp8_ds_mla"
+
+    def spec(tp_size: int) -> MLAAttentionSpec:
+        return MLAAttentionSpec(
+            block_size=BLOCK_SIZE,
+            num_kv_heads=1,
+            head_size=576 if packed else 96,
+            dtype=STR_DTYPE_TO_TORCH_DTYPE[cache_dtype],
+            cache_dtype_str=cache_dtype,
+            kv_quant_mode=get_kv_quant_mode(cache_dtype),
+            state_content_bytes=DS_MLA_BYTES_PER_TOKEN if packed else None,
+        )
+
+    return dataclasses.replace(ARCHETYPES["mla"], name=f"mla-{cache_dtype}", kinds=MappingProxyType({"mla": spec}))
+
+
+def _per_token_head_archetype() -> Archetype:
+    """GQA whose single KV head every rank repeats (``gqa-kv-lt-tp`` at TP 2), its layers' specs as
+    vLLM's ``Attention.get_kv_cache_spec`` builds them under ``fp8_per_token_head``."""
+
+    def spec(tp_size: int) -> FullAttentionSpec:
+        return FullAttentionSpec(
+            block_size=BLOCK_SIZE,
+            num_kv_heads=1,
+            head_size=64,
+            dtype=STR_DTYPE_TO_TORCH_DTYPE["fp8_per_token_head"],
+            kv_quant_mode=get_kv_quant_mode("fp8_per_token_head"),
+        )
+
+    base = ARCHETYPES["gqa-kv-lt-tp"]
+    return dataclasses.replace(base, name="gqa-fp8_per_token_head", kinds=MappingProxyType({"attn": spec}))
+
+
+def _fp8_codes(element: str) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
+    """Random normal values rounded to ``element``, as the uint8 codes vLLM stores."""
+    dtype = getattr(torch, element)
+    return lambda tensor, generator: torch.randn(tensor.shape, generator=generator).to(dtype).view(torch.uint8)
+
+
+def _fp8_codes_with_tiny_values(element: str) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
+    """:func:`_fp8_codes`, with every 4th value +0 (code 0x00) and every 8th the smallest subnormal (0x01)."""
+    random = _fp8_codes(element)
+
+    def values(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        codes = random(tensor, generator).reshape(-1)
+        codes[::4] = 0x00
+        codes[1::8] = 0x01
+        return codes.reshape(tensor.shape)
+
+    return values
+
+
+def _nothing(rank: int, tensor: torch.Tensor) -> None:
+    pass
+
+
+def _ulps_away_from_zero(steps: int, largest: int) -> Callable[[int, torch.Tensor], None]:
+    """Rank 1's values moved ``steps`` representable values away from zero, all that stay finite
+    (fp8 is sign-magnitude: the code plus ``steps`` for either sign)."""
+
+    def perturb(rank: int, tensor: torch.Tensor) -> None:
+        if rank == 1:
+            tensor[(tensor & 0x7F) + steps <= largest] += steps
+
+    return perturb
+
+
+def _other_fp8_values(element: str) -> Callable[[int, torch.Tensor], None]:
+    codes = _fp8_codes(element)
+
+    def perturb(rank: int, tensor: torch.Tensor) -> None:
+        if rank == 1:
+            tensor.copy_(codes(tensor, torch.Generator().manual_seed(99)))
+
+    return perturb
+
+
+def _flip_tiny_signs(rank: int, tensor: torch.Tensor) -> None:
+    # +0 becomes -0 (0x80) and the smallest subnormal its negative (0x81) on rank 1: codes 128 apart.
+    if rank == 1:
+        tensor[(tensor & 0x7F) <= 0x01] ^= 0x80
+
+
+@pytest.mark.parametrize("cache_dtype, element, largest", FP8)
+def test_fp8_replicas_with_equal_bytes_agree(
+    mooncake_master: MooncakeMaster, clients: ClientPool, cache_dtype: str, element: str, largest: int
+) -> None:
+    outcome = _replicated_ranks(
+        mooncake_master, clients, _mla_archetype(cache_dtype), "default", 2, _nothing, values=_fp8_codes(element)
+    )
+    assert [(audit.verdict.value, audit.distance) for audit in outcome.audits] == [("agreed", 0.0)]
+
+
+@pytest.mark.parametrize("cache_dtype, element, largest", FP8)
+def test_fp8_replicas_holding_distinct_shards_are_told_apart(
+    mooncake_master: MooncakeMaster, clients: ClientPool, cache_dtype: str, element: str, largest: int
+) -> None:
+    outcome = _replicated_ranks(
+        mooncake_master, clients, _mla_archetype(cache_dtype), "default", 2, _other_fp8_values(element),
+        values=_fp8_codes(element),
+    )
+    assert outcome.audits and outcome.demoted == tuple(audit.group for audit in outcome.audits)
+    assert "exact digests" not in outcome.messages[0]  # values were compared, and were too far apart
+
+
+@pytest.mark.parametrize("cache_dtype, element, largest", FP8)
+def test_fp8_replicas_one_ulp_apart_everywhere_agree_within_one_ulp(
+    mooncake_master: MooncakeMaster, clients: ClientPool, cache_dtype: str, element: str, largest: int
+) -> None:
+    outcome = _replicated_ranks(
+        mooncake_master, clients, _mla_archetype(cache_dtype), "default", 2, _ulps_away_from_zero(1, largest),
+        values=_fp8_codes(element),
+    )
+    (audit,) = outcome.audits
+    # Each value moved by one ulp, 2**-(m+1) to 2**-m of it (m mantissa bits): so is their relative distance.
+    # (As byte codes they would be 0.008 apart.)
+    ulp = 2.0 ** -FLOAT_MANTISSA_BITS[element]
+    assert audit.verdict.value == "agreed" and ulp / 2 <= audit.distance <= ulp == rounding_tolerance(element)
+    assert not outcome.plan_changed
+
+
+@pytest.mark.parametrize("cache_dtype, element, largest", FP8)
+def test_fp8_replicas_two_ulps_apart_everywhere_disagree(
+    mooncake_master: MooncakeMaster, clients: ClientPool, cache_dtype: str, element: str, largest: int
+) -> None:
+    # Read as byte codes these would be 0.015 apart and pass the 0.1 tolerance: they are compared as fp8 values.
+    outcome = _replicated_ranks(
+        mooncake_master, clients, _mla_archetype(cache_dtype), "default", 2, _ulps_away_from_zero(2, largest),
+        values=_fp8_codes(element),
+    )
+    assert outcome.audits and outcome.demoted == tuple(audit.group for audit in outcome.audits)
+
+
+@pytest.mark.parametrize("cache_dtype, element, largest", FP8)
+def test_fp8_sign_flips_of_zero_and_tiny_values_are_compared_as_the_numbers_they_are(
+    mooncake_master: MooncakeMaster, clients: ClientPool, cache_dtype: str, element: str, largest: int
+) -> None:
+    values = _fp8_codes_with_tiny_values(element)
+    codes = values(torch.empty(4096, dtype=torch.uint8), torch.Generator().manual_seed(7))
+    flipped = codes.clone()
+    _flip_tiny_signs(1, flipped)
+    # As byte codes, 3 in 8 values jump by 128: far beyond any tolerance.
+    assert relative_distance(codes.float().tolist(), flipped.float().tolist()) > 0.5
+    outcome = _replicated_ranks(
+        mooncake_master, clients, _mla_archetype(cache_dtype), "default", 2, _flip_tiny_signs, values=values
+    )
+    (audit,) = outcome.audits
+    assert audit.verdict.value == "agreed" and 0 < audit.distance < 0.01
+
+
+@pytest.mark.parametrize(
+    "archetype, cache_dtype",
+    [(_mla_archetype("fp8_ds_mla"), "fp8_ds_mla"), (_per_token_head_archetype(), "fp8_per_token_head")],
+    ids=["fp8_ds_mla", "fp8_per_token_head"],
+)
+def test_caches_with_scales_in_their_blocks_agree_only_on_identical_bytes(
+    mooncake_master: MooncakeMaster, clients: ClientPool, archetype: Archetype, cache_dtype: str
+) -> None:
+    values = _fp8_codes("float8_e4m3fn")
+    same = _replicated_ranks(mooncake_master, clients, archetype, "default", 2, _nothing, values=values, cache_dtype=cache_dtype)
+    assert [audit.verdict.value for audit in same.audits] == ["agreed"]
+    one_ulp = _replicated_ranks(
+        mooncake_master, clients, archetype, "default", 2, _ulps_away_from_zero(1, 0x7E), values=values,
+        cache_dtype=cache_dtype,
+    )
+    assert one_ulp.audits and one_ulp.demoted == tuple(audit.group for audit in one_ulp.audits)
+    (message,) = one_ulp.messages
+    assert f"compared by exact digests only: the '{cache_dtype}' KV cache keeps quantization scales" in message

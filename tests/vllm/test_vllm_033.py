@@ -6,7 +6,8 @@ its dependencies into ``<venv>/vllm-0.33``, next to the venv's CPU torch; on CPU
 these tests need. They run in a child pytest (one interpreter cannot hold two vLLMs): the layout
 adapter, factors, keys and token databases against 0.33's own ``MooncakeStoreWorker`` methods, the
 rebuilt ``__init__``'s drift check, config resolution, TP-sharded store objects, the hybrid block sizes,
-the metrics (on simulated ranks through a real master) and the version check.
+the metrics (on simulated ranks through a real master), the version check, and what the replication audit
+compares on quantized KV caches (vLLM's fp8 mapping).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ SUITE = (
     "tests/vllm/test_connector_metrics.py",
     "tests/vllm/test_merged_saves.py",
     "tests/vllm/test_minimal_lookup.py",
+    "tests/vllm/test_audit_cache_dtypes.py",
 )
 
 
