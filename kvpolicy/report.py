@@ -1,8 +1,10 @@
-"""Plans rendered for people (a table, an explanation) and for machines (JSON)."""
+"""Plans rendered for people (a table, an explanation) and for machines (JSON), and the kinds and
+versions of every JSON document kvpolicy writes."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from kvpolicy.audit import AuditStatus, initial_statuses
@@ -10,6 +12,28 @@ from kvpolicy.contract import KeyContract
 from kvpolicy.models import LoadMode
 from kvpolicy.plan import GroupPlan, LayerDecision, Plan
 from kvpolicy.traffic import PromptTraffic
+
+
+DOCUMENT_VERSIONS: Mapping[str, int] = MappingProxyType(
+    {
+        "KeyContract": 1,
+        "ReplicationPlan": 1,
+        "ValidationReport": 1,
+        "PolicyDiff": 1,
+        "AuditReport": 1,
+        "DoctorReport": 1,
+    }
+)
+"""Kind → format version of each JSON document kvpolicy writes, each carrying both as ``kind`` and
+``version`` (as the documents it reads do): ``KeyContract`` (``kvpolicy keys``, the connector's key
+file), ``ReplicationPlan`` (``kvpolicy plan``, the connector's plan and status file), and the reports
+of ``kvpolicy validate``, ``diff``, ``audit`` and ``doctor``. A change a reader must notice (a field
+renamed, removed or meaning something else) bumps the version; adding a field does not."""
+
+
+def versioned(kind: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    """``body`` as a document of ``kind``: ``version`` and ``kind`` first, then its fields."""
+    return {"version": DOCUMENT_VERSIONS[kind], "kind": kind, **body}
 
 
 def _writers(group: GroupPlan) -> str:
@@ -118,7 +142,7 @@ def plan_to_json(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = 
     """The plan as JSON; each group's ``audit`` field is its audit status (as in :func:`format_plan_table`)."""
     topology = plan.topology
     statuses = _audit_statuses(plan, audit)
-    return {
+    return versioned("ReplicationPlan", {
         "policy": plan.policy,
         "model": plan.model,
         "topology": topology.model_dump(),
@@ -171,7 +195,7 @@ def plan_to_json(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = 
             }
             for group in plan.groups
         ],
-    }
+    })
 
 
 def format_traffic(traffic: PromptTraffic) -> str:

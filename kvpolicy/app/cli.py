@@ -29,6 +29,7 @@ from kvpolicy.report import (
     format_traffic,
     plan_to_json,
     traffic_to_json,
+    versioned,
 )
 from kvpolicy.store_layout import StoreSelection
 from kvpolicy.traffic import prompt_traffic
@@ -180,8 +181,8 @@ def _diff(args: argparse.Namespace) -> int:
             results.append(compare_plans(name, f"tp={topology.tp_size} pp={topology.pp_size}", *plans))
     changed = [result for result in results if result.changed]
     if args.format == "json":
-        print(json.dumps({"old": old.name, "new": new.name, "changed": bool(changed),
-                          "plans": [_change_json(result) for result in results]}, indent=2))
+        print(json.dumps(versioned("PolicyDiff", {"old": old.name, "new": new.name, "changed": bool(changed),
+                                                  "plans": [_change_json(result) for result in results]}), indent=2))
     else:
         print(f"diff: policy {old.name} -> {new.name}, {len(layouts)} layouts x tp {', '.join(map(str, args.tp))}")
         for result in changed:
@@ -305,7 +306,8 @@ def _audit(args: argparse.Namespace) -> int:
             )
     except ReplicationAuditError as error:
         if args.format == "json":
-            payload = {"policy": policy.name, "target": target, "tp": args.tp, "enforced": str(error)}
+            payload = versioned("AuditReport", {"policy": policy.name, "target": target, "tp": args.tp,
+                                                "enforced": str(error)})
             print(json.dumps(payload, indent=2))
         else:
             print(f"audit: policy {policy.name}, {target}, tp={args.tp}: stopped (audit: enforce)")
@@ -313,7 +315,7 @@ def _audit(args: argparse.Namespace) -> int:
         return 1
     failed = any(group.audit == "demoted" or not group.consistent for group in report.groups)
     if args.format == "json":
-        payload = {
+        payload = versioned("AuditReport", {
             "policy": policy.name,
             "target": target,
             "tp": args.tp,
@@ -333,7 +335,7 @@ def _audit(args: argparse.Namespace) -> int:
                 }
                 for group in report.groups
             ],
-        }
+        })
         print(json.dumps(payload, indent=2))
         return 1 if failed else 0
     print(f"audit: policy {policy.name}, {target}, tp={args.tp}, {report.num_tokens}-token prompt")

@@ -1,7 +1,7 @@
 """``kvpolicy validate``'s output formats and its check selection, as a linter's in CI.
 
 * ``text``: ``path:line:col: severity: message [CODE]``, one line each (what editors and people read);
-* ``json``: per file, its kind, validity and diagnostics;
+* ``json``: per file, its kind, validity and diagnostics (a ``ValidationReport`` document);
 * ``github``: GitHub Actions workflow commands, so every problem annotates its line in a pull request;
 * ``sarif``: a SARIF 2.1.0 log (GitHub code scanning and other SARIF viewers), one rule per check.
 
@@ -21,6 +21,7 @@ from urllib.parse import quote
 
 from kvpolicy import __version__
 from kvpolicy.diagnostics import CHECKS, CHECKS_BY_CODE, Diagnostic
+from kvpolicy.report import versioned
 
 FORMATS = ("text", "json", "github", "sarif")
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
@@ -100,7 +101,7 @@ def render(results: Sequence[FileResult], output: str) -> tuple[str, str]:
 
 
 def _json(results: Sequence[FileResult]) -> dict[str, Any]:
-    return {
+    return versioned("ValidationReport", {
         "valid": all(result.valid for result in results),
         "files": [
             {
@@ -111,7 +112,7 @@ def _json(results: Sequence[FileResult]) -> dict[str, Any]:
             }
             for result in results
         ],
-    }
+    })
 
 
 def _escape_data(text: str) -> str:
