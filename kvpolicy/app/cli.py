@@ -16,11 +16,12 @@ from typing import Any
 
 from kvpolicy import schema
 from kvpolicy.app.diagnostic_formats import FORMATS, FileResult, Selection, parse_codes, render
+from kvpolicy.app.topology_flags import add_topology_flag, add_topology_flags, topology_from_args
 from kvpolicy.contract import key_contract
-from kvpolicy.diagnostics import DocumentError, PlanError, PlanProblem
+from kvpolicy.diagnostics import DocumentError, PlanError
 from kvpolicy.engine import make_plan, plan_deployment
 from kvpolicy.loader import check_file, load_layout, load_policy, schemas_dir, shipped_policy_names
-from kvpolicy.models import KV_CACHE_LAYOUTS, Layout, Policy, Topology
+from kvpolicy.models import KV_CACHE_LAYOUTS, Layout, Policy
 from kvpolicy.plan import Plan
 from kvpolicy.report import (
     format_explanation,
@@ -90,26 +91,6 @@ def _tp_sizes(text: str) -> tuple[int, ...]:
     return tuple(_positive(part.strip()) for part in text.split(","))
 
 
-def _topology(args: argparse.Namespace) -> Topology:
-    """The topology the flags give (each already a size argparse accepted); sizes vLLM would refuse
-    together are a :class:`PlanError` (KVP301), one problem per refusal, naming the flag."""
-    from pydantic import ValidationError
-
-    try:
-        return Topology(tp_size=args.tp, pp_size=args.pp, pcp_size=args.pcp, dcp_size=args.dcp)
-    except ValidationError as error:
-        flags = {"tp_size": "--tp", "pp_size": "--pp", "pcp_size": "--pcp", "dcp_size": "--dcp"}
-        raise PlanError(
-            [
-                PlanProblem(
-                    f"{flags.get(str(problem['loc'][0]), '--tp/--pp/--pcp/--dcp') if problem['loc'] else '--dcp'}: "
-                    f"{str(problem['msg']).removeprefix('Value error, ')}"
-                )
-                for problem in error.errors(include_url=False)
-            ]
-        ) from None
-
-
 def _store_options(args: argparse.Namespace) -> dict[str, object]:
     """``kv_connector_extra_config`` as the store flags set it (argparse lets at most one through)."""
     if args.store_tp is not None:
@@ -124,7 +105,7 @@ def _planned(args: argparse.Namespace) -> tuple[Plan, Layout, StoreSelection]:
     layout choice for it."""
     options = {**_store_options(args), "cache_prefix": getattr(args, "cache_prefix", "")}
     return plan_deployment(
-        load_policy(args.policy), load_layout(args.layout), _topology(args),
+        load_policy(args.policy), load_layout(args.layout), topology_from_args(args),
         extra_config=options, kv_cache_layout=args.kv_cache_layout,
     )
 
@@ -168,7 +149,7 @@ def _diff(args: argparse.Namespace) -> int:
     old, new = load_policy(args.old), load_policy(args.new)
     names = args.layout or [path.stem for path in sorted(layouts_dir().glob("*.yaml"))]
     layouts = [(name, load_layout(name)) for name in names]
-    topologies = [_topology(argparse.Namespace(tp=tp, pp=args.pp, pcp=1, dcp=1)) for tp in args.tp]
+    topologies = [topology_from_args(argparse.Namespace(tp=tp, pp=args.pp)) for tp in args.tp]
     results = []
     for name, layout in layouts:
         for topology in topologies:
@@ -395,10 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
         command.add_argument("--policy", required=True, help="a shipped policy's name or a path")
         command.add_argument("--layout", required=True, help="an example layout's name or a path")
-        command.add_argument("--tp", type=_positive, required=True)
-        command.add_argument("--pp", type=_positive, default=1)
-        command.add_argument("--pcp", type=_positive, default=1)
-        command.add_argument("--dcp", type=_positive, default=1)
+        add_topology_flags(command, required=("tp_size",))
         store_tp = command.add_mutually_exclusive_group()
         store_tp.add_argument(
             "--store-tp", type=_positive, metavar="N", help="kv_connector_extra_config store_tp_size: share store shards across TP sizes"
@@ -428,8 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("old", metavar="OLD", help="the policy before the edit (a shipped name or a path)")
     diff.add_argument("new", metavar="NEW", help="the policy after the edit")
     diff.add_argument("--layout", action="append", help="a layout's name or path (repeatable; default: every example)")
-    diff.add_argument("--tp", type=_positive, nargs="+", default=[1, 2, 4, 8])
-    diff.add_argument("--pp", type=_positive, default=1)
+    add_topology_flag(diff, "tp_size", nargs="+", default=[1, 2, 4, 8])
+    add_topology_flag(diff, "pp_size")
     diff.add_argument("--format", choices=("text", "json"), default="text")
     diff.set_defaults(run=_diff)
 
@@ -449,13 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
     target = audit.add_mutually_exclusive_group(required=True)
     target.add_argument("--archetype", help="a simulated archetype (kimi-linear, gqa-gdn, gqa-mamba, mla, ...)")
     target.add_argument("--layout", help="an example layout's name or a path")
-    audit.add_argument("--tp", type=_positive, required=True)
+    add_topology_flag(audit, "tp_size", required=True)
     audit.add_argument("--tokens", type=int, default=256, help="prompt length")
     audit.add_argument("--format", choices=("text", "json"), default="text")
     audit.set_defaults(run=_audit)
 
     demo = commands.add_parser("demo", help="embedded Mooncake master, multi-rank simulation, vLLM cold/warm run")
-    demo.add_argument("--tp", type=_positive, default=4, help="TP size of the simulated hybrid instance")
+    add_topology_flag(demo, "tp_size", default=4, help="TP size of the simulated hybrid instance")
     demo.add_argument("--no-engine", action="store_true", help="skip the vLLM engine run")
     demo.set_defaults(run=_demo)
     return parser
