@@ -66,15 +66,12 @@ has a group to audit — a decision taken from the plan alone — and whose unio
 
 from __future__ import annotations
 
-import bisect
-import math
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
-    ChunkedTokenDatabase,
     MooncakeStoreConnectorMetadata,
 )
 from vllm.logger import init_logger
@@ -94,9 +91,15 @@ from kvpolicy.audit import (
     agreement_key,
     vouching_replicas,
     demotion_key,
-    digest_blocks,
     distances_to_reference,
     value_comparison,
+)
+from kvpolicy.device.blocks import (
+    SAMPLE_VALUES,
+    BlockReader,
+    local_digests,
+    local_samples,
+    tensor_distance,
 )
 from kvpolicy.plan import Plan
 
@@ -135,9 +138,6 @@ AUDIT_REQUESTS_PER_STEP = 4
 """Saving requests per step whose blocks are digested (the first ones in the metadata)."""
 AUDIT_BLOCKS_PER_REQUEST = 2
 """Blocks per request and group digested: the last ones the request saves this step."""
-SAMPLE_VALUES = 16_384
-"""Values per rank and group sent when a replica set's digests differ (64 KiB as float32): an
-evenly strided sample of the audited blocks' values, compared with a tolerance for rounding."""
 
 AUDIT_STATS_OPERATION = "kvpolicy_audit"
 """Connector-stats operation recorded (by TP rank 0) once per audited step, in the same
@@ -281,157 +281,6 @@ def value_comparisons(cache_dtype: str, specs: Sequence[KVCacheSpec]) -> dict[in
 
 
 # --- reading them ----------------------------------------------------------------------------------
-
-
-class BlockReader:
-    """Reads byte ranges of registered KV-cache tensors by address.
-
-    Built from the ``kv_caches`` dict the model runner hands to ``register_kv_caches`` (a tensor,
-    or a list of tensors sharing one storage, per layer); every address a token database produces
-    lies in one of their storages.
-    """
-
-    def __init__(self, kv_caches: Mapping[str, Any]) -> None:
-        self._kv_caches = dict(kv_caches)
-        storages: dict[int, torch.Tensor] = {}
-        for value in kv_caches.values():
-            for tensor in value if isinstance(value, (list, tuple)) else (value,):
-                storage = tensor.untyped_storage()
-                pointer = storage.data_ptr()
-                if pointer not in storages:
-                    # A flat uint8 view of the whole storage (shares memory; nothing is copied).
-                    storages[pointer] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-        self._starts = sorted(storages)
-        self._views = [storages[start] for start in self._starts]
-
-    def region(self, address: int, size: int) -> torch.Tensor:
-        """A uint8 view (shared memory: writable) of ``size`` bytes of a registered tensor at ``address``."""
-        return self._slice(address, size)
-
-    def _slice(self, address: int, size: int) -> torch.Tensor:
-        index = bisect.bisect_right(self._starts, address) - 1
-        if index < 0:
-            raise ValueError(f"address {address:#x} is outside every registered KV-cache tensor")
-        view = self._views[index]
-        offset = address - self._starts[index]
-        if offset + size > view.numel():
-            raise ValueError(f"bytes {address:#x}+{size} run past a registered KV-cache tensor")
-        return view[offset : offset + size]
-
-    def tensors(self, layer_names: Iterable[str]) -> list[torch.Tensor]:
-        """The registered tensors of these layers (a Mamba layer has one per state)."""
-        found: list[torch.Tensor] = []
-        for name in layer_names:
-            value = self._kv_caches[name]
-            found.extend(value if isinstance(value, (list, tuple)) else (value,))
-        return found
-
-    def values(
-        self,
-        database: ChunkedTokenDatabase,
-        block_ids: Sequence[int],
-        tensors: Sequence[torch.Tensor],
-        *,
-        element: torch.dtype | None = None,
-    ) -> torch.Tensor:
-        """The blocks' values as numbers (on the tensors' device), for comparing with a tolerance.
-
-        Given ``element`` (the number type of the stored bytes, e.g. ``torch.float8_e4m3fn`` for an
-        fp8 cache vLLM stores as ``uint8``: :func:`value_comparisons`), the token database's regions
-        are read as that type. Else, with one dtype among the group's tensors (attention), they are
-        read as that dtype, whatever the tensors' shape; with several (a Mamba layer's states), each
-        state tensor is indexed by block id along its first dimension, vLLM's layout for state tensors.
-        """
-        dtypes = {tensor.dtype for tensor in tensors}
-        if element is not None or len(dtypes) == 1:
-            dtype = element if element is not None else next(iter(dtypes))
-            addresses, sizes = _regions(database, block_ids)
-            raw = torch.cat([self._slice(address, size) for address, size in zip(addresses, sizes, strict=True)])
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            return raw[: raw.numel() // itemsize * itemsize].view(dtype).reshape(-1)
-        parts = []
-        for tensor in tensors:
-            index = torch.tensor(list(block_ids), device=tensor.device, dtype=torch.long)
-            parts.append(tensor.index_select(0, index).reshape(-1).float())
-        return torch.cat(parts)
-
-    def read(self, addresses: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
-        """The bytes at ``addresses`` (``sizes`` each) on the host, in order.
-
-        CPU tensors are read in place; device tensors are sliced on the device and copied to the
-        host once, all regions together.
-        """
-        slices = [self._slice(address, size) for address, size in zip(addresses, sizes, strict=True)]
-        if not slices:
-            return []
-        if all(piece.device.type == "cpu" for piece in slices):
-            return [memoryview(piece.numpy()) for piece in slices]
-        # Stream-ordered: the copy waits for the forward pass that wrote these blocks.
-        host = torch.cat([piece.reshape(-1) for piece in slices]).cpu()
-        return [memoryview(host.numpy())]
-
-
-def _regions(database: ChunkedTokenDatabase, block_ids: Sequence[int]) -> tuple[list[int], list[int]]:
-    """(addresses, sizes) of every region of every block, in order: what the store would write."""
-    addresses: list[int] = []
-    sizes: list[int] = []
-    for block_id in block_ids:
-        block_addresses, block_sizes = database.prepare_value_for_block(block_id)
-        addresses.extend(block_addresses)
-        sizes.extend(block_sizes)
-    return addresses, sizes
-
-
-def local_digests(
-    token_dbs: Sequence[ChunkedTokenDatabase], reader: BlockReader, blocks: Mapping[int, Sequence[int]]
-) -> dict[int, Digest]:
-    """This rank's digest of ``blocks`` per group: every region of every block, in order."""
-    return {
-        group: digest_blocks(reader.read(*_regions(token_dbs[group], block_ids))) for group, block_ids in blocks.items()
-    }
-
-
-def local_samples(
-    token_dbs: Sequence[ChunkedTokenDatabase],
-    reader: BlockReader,
-    blocks: Mapping[int, Sequence[int]],
-    layer_names: Mapping[int, Sequence[str]],
-    groups: Iterable[int],
-    *,
-    limit: int = SAMPLE_VALUES,
-    comparisons: Mapping[int, ValueComparison] | None = None,
-) -> dict[int, bytes]:
-    """This rank's sampled values of ``blocks`` for ``groups``, as float32 bytes: every
-    ``ceil(n / limit)``-th value, so every rank of a group samples the same positions. Each group's
-    bytes are read as its :class:`~kvpolicy.audit.ValueComparison`'s ``element`` type
-    (``comparisons``, from :func:`value_comparisons`); a group compared by exact digests only has
-    no values to sample, and asking for it is an error."""
-    samples: dict[int, bytes] = {}
-    for group in groups:
-        comparison = (comparisons or {}).get(group, DEFAULT_COMPARISON)
-        if comparison.exact:
-            raise ValueError(f"group {group} is compared by exact digests only: {comparison.reason}")
-        element = None if comparison.element is None else getattr(torch, comparison.element)
-        values = reader.values(token_dbs[group], blocks[group], reader.tensors(layer_names[group]), element=element)
-        step = max(1, -(-values.numel() // limit))
-        samples[group] = values[::step][:limit].to(device="cpu", dtype=torch.float32).numpy().tobytes()
-    return samples
-
-
-def tensor_distance(a: Sequence[float], b: Sequence[float]) -> float:
-    """:func:`kvpolicy.audit.relative_distance`, vectorised with torch (float64)."""
-    if len(a) != len(b):
-        return math.inf
-    if not len(a):
-        return 0.0
-    x = torch.as_tensor(a, dtype=torch.float64)
-    y = torch.as_tensor(b, dtype=torch.float64)
-    keep = ~(x.isnan() & y.isnan())
-    x, y = x[keep], y[keep]
-    scale = max(float(x.dot(x)), float(y.dot(y)))
-    if scale == 0:
-        return 0.0
-    return math.sqrt(float((x - y).square().sum()) / scale)
 
 
 def decode_samples(samples: Samples) -> dict[int, array] | None:

@@ -17,6 +17,9 @@ LAYERS = {
         "kvpolicy.vllm", "kvpolicy.mooncake", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.fleet",
         "vllm", "torch", "mooncake",
     },
+    "kvpolicy.device": {
+        "kvpolicy.vllm", "kvpolicy.mooncake", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.fleet", "vllm", "mooncake",
+    },
     "kvpolicy.mooncake": {"kvpolicy.vllm", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.fleet", "vllm"},
     "kvpolicy.vllm": {"kvpolicy.sim", "kvpolicy.app", "kvpolicy.fleet"},
     "kvpolicy.sim": {"kvpolicy.app", "kvpolicy.fleet"},
@@ -24,7 +27,8 @@ LAYERS = {
 }
 """Package → the packages it must not import (data flows one way: core → runtime → adapters → sim → app;
 the run-time policy is written against declared ports, so it imports neither vLLM, torch, Mooncake
-nor any adapter; the fleet of test hosts starts processes of the adapters and imports neither vLLM
+nor any adapter; what runs on KV-cache tensors imports torch but neither vLLM nor Mooncake, so it runs
+on a GPU host without them (scripts/gpu_check.py); the fleet of test hosts starts processes of the adapters and imports neither vLLM
 nor Mooncake itself)."""
 
 

@@ -1,0 +1,185 @@
+"""Reading KV-cache blocks out of device memory, for the replication audit: torch only, no vLLM.
+
+:class:`BlockReader` slices uint8 views of the registered KV-cache tensors' storage at the (address, size)
+regions a token database names, the regions the store would write. On a GPU only the audited blocks are
+copied to the host, in one copy per group, on the current stream (so after the forward that wrote them).
+:mod:`kvpolicy.vllm.audit` feeds it vLLM's ``ChunkedTokenDatabase``; ``scripts/gpu_check.py`` runs it on a
+GPU without vLLM.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from kvpolicy.audit import DEFAULT_COMPARISON, Digest, ValueComparison, digest_blocks
+
+__all__ = ["SAMPLE_VALUES", "BlockReader", "TokenDatabase", "block_regions", "local_digests", "local_samples",
+           "tensor_distance"]
+
+SAMPLE_VALUES = 16_384
+"""Values per rank and group sent when a replica set's digests differ (64 KiB as float32): an
+evenly strided sample of the audited blocks' values, compared with a tolerance for rounding."""
+
+
+class TokenDatabase(Protocol):
+    """What the reader needs of vLLM's ``ChunkedTokenDatabase``: the regions one block fills."""
+
+    def prepare_value_for_block(self, block_id: int) -> tuple[Sequence[int], Sequence[int]]:
+        """(addresses, sizes) of the block's regions, in the order the store writes them."""
+        ...
+
+
+class BlockReader:
+    """Reads byte ranges of registered KV-cache tensors by address.
+
+    Built from the ``kv_caches`` dict the model runner hands to ``register_kv_caches`` (a tensor,
+    or a list of tensors sharing one storage, per layer); every address a token database produces
+    lies in one of their storages.
+    """
+
+    def __init__(self, kv_caches: Mapping[str, Any]) -> None:
+        self._kv_caches = dict(kv_caches)
+        storages: dict[int, torch.Tensor] = {}
+        for value in kv_caches.values():
+            for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                storage = tensor.untyped_storage()
+                pointer = storage.data_ptr()
+                if pointer not in storages:
+                    # A flat uint8 view of the whole storage (shares memory; nothing is copied).
+                    storages[pointer] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+        self._starts = sorted(storages)
+        self._views = [storages[start] for start in self._starts]
+
+    def region(self, address: int, size: int) -> torch.Tensor:
+        """A uint8 view (shared memory: writable) of ``size`` bytes of a registered tensor at ``address``."""
+        return self._slice(address, size)
+
+    def _slice(self, address: int, size: int) -> torch.Tensor:
+        index = bisect.bisect_right(self._starts, address) - 1
+        if index < 0:
+            raise ValueError(f"address {address:#x} is outside every registered KV-cache tensor")
+        view = self._views[index]
+        offset = address - self._starts[index]
+        if offset + size > view.numel():
+            raise ValueError(f"bytes {address:#x}+{size} run past a registered KV-cache tensor")
+        return view[offset : offset + size]
+
+    def tensors(self, layer_names: Iterable[str]) -> list[torch.Tensor]:
+        """The registered tensors of these layers (a Mamba layer has one per state)."""
+        found: list[torch.Tensor] = []
+        for name in layer_names:
+            value = self._kv_caches[name]
+            found.extend(value if isinstance(value, (list, tuple)) else (value,))
+        return found
+
+    def values(
+        self,
+        database: TokenDatabase,
+        block_ids: Sequence[int],
+        tensors: Sequence[torch.Tensor],
+        *,
+        element: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The blocks' values as numbers (on the tensors' device), for comparing with a tolerance.
+
+        Given ``element`` (the number type of the stored bytes, e.g. ``torch.float8_e4m3fn`` for an
+        fp8 cache vLLM stores as ``uint8``: :func:`value_comparisons`), the token database's regions
+        are read as that type. Else, with one dtype among the group's tensors (attention), they are
+        read as that dtype, whatever the tensors' shape; with several (a Mamba layer's states), each
+        state tensor is indexed by block id along its first dimension, vLLM's layout for state tensors.
+        """
+        dtypes = {tensor.dtype for tensor in tensors}
+        if element is not None or len(dtypes) == 1:
+            dtype = element if element is not None else next(iter(dtypes))
+            addresses, sizes = block_regions(database, block_ids)
+            raw = torch.cat([self._slice(address, size) for address, size in zip(addresses, sizes, strict=True)])
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            return raw[: raw.numel() // itemsize * itemsize].view(dtype).reshape(-1)
+        parts = []
+        for tensor in tensors:
+            index = torch.tensor(list(block_ids), device=tensor.device, dtype=torch.long)
+            parts.append(tensor.index_select(0, index).reshape(-1).float())
+        return torch.cat(parts)
+
+    def read(self, addresses: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
+        """The bytes at ``addresses`` (``sizes`` each) on the host, in order.
+
+        CPU tensors are read in place; device tensors are sliced on the device and copied to the
+        host once, all regions together.
+        """
+        slices = [self._slice(address, size) for address, size in zip(addresses, sizes, strict=True)]
+        if not slices:
+            return []
+        if all(piece.device.type == "cpu" for piece in slices):
+            return [memoryview(piece.numpy()) for piece in slices]
+        # Stream-ordered: the copy waits for the forward pass that wrote these blocks.
+        host = torch.cat([piece.reshape(-1) for piece in slices]).cpu()
+        return [memoryview(host.numpy())]
+
+
+def block_regions(database: TokenDatabase, block_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(addresses, sizes) of every region of every block, in order: what the store would write."""
+    addresses: list[int] = []
+    sizes: list[int] = []
+    for block_id in block_ids:
+        block_addresses, block_sizes = database.prepare_value_for_block(block_id)
+        addresses.extend(block_addresses)
+        sizes.extend(block_sizes)
+    return addresses, sizes
+
+
+def local_digests(
+    token_dbs: Sequence[TokenDatabase], reader: BlockReader, blocks: Mapping[int, Sequence[int]]
+) -> dict[int, Digest]:
+    """This rank's digest of ``blocks`` per group: every region of every block, in order."""
+    return {
+        group: digest_blocks(reader.read(*block_regions(token_dbs[group], block_ids))) for group, block_ids in blocks.items()
+    }
+
+
+def local_samples(
+    token_dbs: Sequence[TokenDatabase],
+    reader: BlockReader,
+    blocks: Mapping[int, Sequence[int]],
+    layer_names: Mapping[int, Sequence[str]],
+    groups: Iterable[int],
+    *,
+    limit: int = SAMPLE_VALUES,
+    comparisons: Mapping[int, ValueComparison] | None = None,
+) -> dict[int, bytes]:
+    """This rank's sampled values of ``blocks`` for ``groups``, as float32 bytes: every
+    ``ceil(n / limit)``-th value, so every rank of a group samples the same positions. Each group's
+    bytes are read as its :class:`~kvpolicy.audit.ValueComparison`'s ``element`` type
+    (``comparisons``, from :func:`value_comparisons`); a group compared by exact digests only has
+    no values to sample, and asking for it is an error."""
+    samples: dict[int, bytes] = {}
+    for group in groups:
+        comparison = (comparisons or {}).get(group, DEFAULT_COMPARISON)
+        if comparison.exact:
+            raise ValueError(f"group {group} is compared by exact digests only: {comparison.reason}")
+        element = None if comparison.element is None else getattr(torch, comparison.element)
+        values = reader.values(token_dbs[group], blocks[group], reader.tensors(layer_names[group]), element=element)
+        step = max(1, -(-values.numel() // limit))
+        samples[group] = values[::step][:limit].to(device="cpu", dtype=torch.float32).numpy().tobytes()
+    return samples
+
+
+def tensor_distance(a: Sequence[float], b: Sequence[float]) -> float:
+    """:func:`kvpolicy.audit.relative_distance`, vectorised with torch (float64)."""
+    if len(a) != len(b):
+        return math.inf
+    if not len(a):
+        return 0.0
+    x = torch.as_tensor(a, dtype=torch.float64)
+    y = torch.as_tensor(b, dtype=torch.float64)
+    keep = ~(x.isnan() & y.isnan())
+    x, y = x[keep], y[keep]
+    scale = max(float(x.dot(x)), float(y.dot(y)))
+    if scale == 0:
+        return 0.0
+    return math.sqrt(float((x - y).square().sum()) / scale)
