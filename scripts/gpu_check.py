@@ -7,6 +7,10 @@
 
 Each check moves real bytes and compares them byte for byte:
 
+- ``audit``: the replication audit's block reader (:mod:`kvpolicy.device.blocks`) on device KV tensors in
+  bf16 and fp8 (e4m3, e5m2; stored as ``uint8`` as vLLM stores them): digests equal to the host path's,
+  a replica agrees, a distinct shard and a one-ulp replica differ in digest, and their sampled values are
+  apart by more than, and within, the format's tolerance.
 - ``mooncake``: a loopback ``mooncake_master`` and a store client; device tensors registered with
   ``register_buffer``, written with ``batch_put_from_multi_buffers`` from several regions per key and read
   back with ``batch_get_into_multi_buffers`` into other device tensors (Mooncake reads and writes device
@@ -165,9 +169,104 @@ def check_mooncake(device: Any) -> str:
         f"put from and read into registered {device.type} tensors by two clients: {source.numel()} bytes equal"
     )
 
+# ------------------------------------------------------------------------------------------------- audit
+
+AUDIT_LAYERS = 3
+AUDIT_BLOCKS = 16
+AUDIT_BLOCK_ELEMENTS = 4096
+AUDIT_FORMATS = {
+    # cache dtype setting -> (number type of the values, dtype the cache tensor is allocated in, as vLLM does)
+    "bfloat16": ("bfloat16", "bfloat16"),
+    "fp8_e4m3": ("float8_e4m3fn", "uint8"),
+    "fp8_e5m2": ("float8_e5m2", "uint8"),
+}
+
+
+class LayerOutermostBlocks:
+    """The regions of one block in a layer-outermost cache (``[blocks, ...]`` per layer), what vLLM's
+    ``ChunkedTokenDatabase.prepare_value_for_block`` gives for such a cache. A stand-in for vLLM's class,
+    which is not importable where this script must run (a GPU host without vLLM); the engine tests run the
+    reader on vLLM's own token databases."""
+
+    def __init__(self, layers: list[Any]) -> None:
+        self._layers = layers
+
+    def prepare_value_for_block(self, block_id: int) -> tuple[list[int], list[int]]:
+        sizes = [layer[block_id].numel() * layer.element_size() for layer in self._layers]
+        return [layer[block_id].data_ptr() for layer in self._layers], sizes
+
+
+def make_cache(number_type: str, stored: str, *, seed: int, device: Any, nudge_ulp: bool = False) -> list[Any]:
+    import torch
+
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    layers = []
+    for _ in range(AUDIT_LAYERS):
+        values = torch.randn(AUDIT_BLOCKS, AUDIT_BLOCK_ELEMENTS, generator=generator).to(getattr(torch, number_type))
+        if nudge_ulp:
+            # One step of the code to the next representable value away from zero on every element: one ulp.
+            codes = values.view(torch.uint8 if values.element_size() == 1 else torch.int16)
+            values = (codes + 1).view(values.dtype)
+        layers.append(values.view(getattr(torch, stored)).to(device))
+    return layers
+
+
+def check_audit(device: Any) -> str:
+    """The audit's block reader, digests and value samples on device KV tensors, per cache format: a replica
+    agrees, a distinct shard does not, a one-ulp replica is within the format's tolerance, and the device
+    path reads the same bytes as the host path."""
+    import torch
+
+    from kvpolicy.audit import relative_distance, value_comparison
+    from kvpolicy.device.blocks import BlockReader, local_digests, local_samples
+
+    audited = {0: list(range(0, AUDIT_BLOCKS, 3))}
+    lines = []
+    for cache_dtype, (number_type, stored) in AUDIT_FORMATS.items():
+        comparison = value_comparison(
+            cache_dtype, stored=stored, element=None if number_type == stored else number_type
+        )
+        caches = {
+            "rank 0": make_cache(number_type, stored, seed=7, device=device),
+            "replica": make_cache(number_type, stored, seed=7, device=device),
+            "shard": make_cache(number_type, stored, seed=8, device=device),
+            "one ulp": make_cache(number_type, stored, seed=7, device=device, nudge_ulp=True),
+        }
+        digests, samples = {}, {}
+        for name, layers in caches.items():
+            names = [f"layer.{index}" for index in range(len(layers))]
+            reader = BlockReader(dict(zip(names, layers, strict=True)))
+            databases = [LayerOutermostBlocks(layers)]
+            digests[name] = local_digests(databases, reader, audited)[0]
+            samples[name] = local_samples(
+                databases, reader, audited, {0: names}, (0,), comparisons={0: comparison}
+            )[0]
+        host_layers = [layer.cpu() for layer in caches["rank 0"]]
+        host_names = [f"layer.{index}" for index in range(len(host_layers))]
+        host = local_digests([LayerOutermostBlocks(host_layers)], BlockReader(dict(zip(host_names, host_layers))), audited)[0]
+        if digests["rank 0"] != host:
+            raise WrongBytes(f"{cache_dtype}: the {device.type} reader digests other bytes than the host reader")
+        if digests["replica"] != digests["rank 0"]:
+            raise WrongBytes(f"{cache_dtype}: equal bytes on two {device.type} caches digest differently")
+        if digests["shard"] == digests["rank 0"] or digests["one ulp"] == digests["rank 0"]:
+            raise WrongBytes(f"{cache_dtype}: different bytes digest alike")
+
+        def values(name: str) -> list[float]:
+            return list(torch.frombuffer(bytearray(samples[name]), dtype=torch.float32).tolist())
+
+        shard = relative_distance(values("rank 0"), values("shard"))
+        ulp = relative_distance(values("rank 0"), values("one ulp"))
+        if shard <= comparison.tolerance:
+            raise WrongBytes(f"{cache_dtype}: a distinct shard is {shard:.3f} apart, within tolerance {comparison.tolerance}")
+        if not 0 < ulp <= comparison.tolerance:
+            raise WrongBytes(f"{cache_dtype}: one ulp is {ulp:.4f} apart, tolerance {comparison.tolerance}")
+        lines.append(f"{cache_dtype} as {number_type}: shard {shard:.2f}, one ulp {ulp:.3f} <= {comparison.tolerance:g}")
+    return f"{len(audited[0])} blocks x {AUDIT_LAYERS} layers per cache; " + "; ".join(lines)
+
 
 CHECKS: dict[str, Callable[[Any], str]] = {
     "mooncake": check_mooncake,
+    "audit": check_audit,
 }
 
 
