@@ -3,14 +3,26 @@ ends with every block byte for byte, and a failed read anywhere makes vLLM recom
 wrong bytes.
 
 Ranks are the production ``KVPolicyStoreWorker`` (the simulation), reading through vLLM's own receive
-threads from a real Mooncake master; objects read are the master's own counters."""
+threads from a real Mooncake master; objects read are the master's own counters. The second half
+drives :class:`StripedReadStore` alone (``striped_rig``: KV caches of one tensor per layer, a real
+Mooncake client per rank) to count what a load copies and to run it over gloo between processes."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import dataclasses
+import multiprocessing
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
+import torch
 from conftest import require
+from striped_rig import Rig, process_rank, register, unregister
+from torch.utils._python_dispatch import TorchDispatchMode
 
 require("vllm")
 require("mooncake.store")
@@ -20,9 +32,11 @@ from kvpolicy.models import LoadMode, Policy  # noqa: E402
 from kvpolicy.mooncake import MasterCounters  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
+from kvpolicy.runtime.collective import PeerExchange, ThreadExchange, Transfer  # noqa: E402
+from kvpolicy.runtime.striping import StripeCounts  # noqa: E402
 from kvpolicy.sim import ARCHETYPES, Fleet, Instance  # noqa: E402
 from kvpolicy.vllm.read_failures import RecordingReadStore  # noqa: E402
-from kvpolicy.vllm.striped import StripedReadStore  # noqa: E402
+from kvpolicy.vllm.striped import PIECE_MIB_KEY, StripedReadStore, StripedSettings  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -162,3 +176,237 @@ def test_a_plan_carries_the_policys_load_mode_into_its_json(
 def test_striping_does_not_change_the_fingerprint(mooncake_master: MooncakeMaster, clients: ClientPool) -> None:
     with Fleet("mla", master=mooncake_master, clients=clients, num_tokens=NUM_TOKENS) as fleet:
         assert fleet.instance(striped(), 2).fingerprint == fleet.instance(load_policy("default"), 2).fingerprint
+
+
+def rank_counts(instance: Instance) -> list[StripeCounts]:
+    return [
+        store.counts
+        for rank in instance.ranks
+        for thread in rank.worker.kv_recv_threads
+        if isinstance(store := receive_store(thread), StripedReadStore)
+    ]
+
+
+@pytest.mark.parametrize(("archetype", "tp_size"), [("mla", 4), ("gqa-gdn", 4), ("kimi-linear", 2)])
+def test_a_load_in_many_pieces_arrives_byte_for_byte_and_no_piece_stages_more_than_the_budget(
+    mooncake_master: MooncakeMaster, clients: ClientPool, archetype: str, tp_size: int
+) -> None:
+    budget = 16 * 1024  # 2 to 4 objects of these archetypes
+    with Fleet(archetype, master=mooncake_master, clients=clients, num_tokens=NUM_TOKENS) as fleet:
+        fleet.instance(striped(), tp_size, name="cold").save()
+        warm = fleet.instance(striped(), tp_size, name="warm", extra_config={PIECE_MIB_KEY: budget / 2**20})
+        lookup = warm.lookup()
+        warm.load(lookup)
+        verdict = warm.verdict(lookup)
+        assert verdict.correct and verdict.used_tokens == lookup.hit_length
+        counts = rank_counts(warm)
+        assert counts and all(count.exchanges > 2 for count in counts)  # the load went in pieces
+        assert all(0 < count.peak_host_staging_bytes <= budget for count in counts)
+        assert all(count.keys_failed == 0 and count.keys_received > 0 for count in counts)
+
+
+def test_a_failed_owner_fails_only_its_keys_when_the_load_goes_in_pieces(
+    mooncake_master: MooncakeMaster, clients: ClientPool
+) -> None:
+    with Fleet("mla", master=mooncake_master, clients=clients, num_tokens=NUM_TOKENS) as fleet:
+        fleet.instance(striped(), 2, name="cold").save()
+        warm = fleet.instance(striped(), 2, name="warm", extra_config={PIECE_MIB_KEY: 4096 / 2**20})
+        lookup = warm.lookup()
+        loaded_keys = sorted(warm.key(0, 0, chunk) for chunk in range(lookup.hit_length // 16))
+        assert fleet.client.remove(loaded_keys[9], True) == 0  # rank 1's, in a later piece
+        warm.load(lookup)
+        verdict = warm.verdict(lookup)
+        assert verdict.correct and 0 < verdict.used_tokens < lookup.hit_length
+        counts = rank_counts(warm)
+        assert sum(count.keys_failed for count in counts) == 1  # rank 0 fails the key rank 1 could not read
+        assert not any(receive_store(t).broken for r in warm.ranks for t in r.worker.kv_recv_threads)
+
+
+def test_the_piece_budget_setting_is_checked_with_the_key_named() -> None:
+    assert StripedSettings.from_extra_config({}).piece_budget_bytes == 256 * 2**20
+    assert StripedSettings.from_extra_config({PIECE_MIB_KEY: 0.5}).piece_budget_bytes == 2**19
+    with pytest.raises(ValueError) as error:
+        StripedSettings.from_extra_config({PIECE_MIB_KEY: 0, "kvpolicy_striped_exchange": "mpi"})
+    assert PIECE_MIB_KEY in str(error.value) and "kvpolicy_striped_exchange" in str(error.value)
+
+
+# --- StripedReadStore alone: copies, peers, gloo between processes ---------------------------------------
+
+
+class CountOps(TorchDispatchMode):
+    """The torch operations run in this thread, by name (what a load costs, seen from torch's side)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class RecordingExchange:
+    """An exchange that records the peers and bytes of every transfer it passes on."""
+
+    def __init__(self, inner: PeerExchange) -> None:
+        self._inner = inner
+        self.device_buffers = inner.device_buffers
+        self.received: list[tuple[int, int]] = []
+        self.sent: list[tuple[int, int]] = []
+
+    def __call__(self, sends: Sequence[Transfer], receives: Sequence[Transfer]) -> None:
+        self.sent += [(peer, len(buffer)) for peer, buffer in sends]
+        self.received += [(peer, len(buffer)) for peer, buffer in receives]
+        self._inner(sends, receives)
+
+
+@dataclasses.dataclass
+class RankRun:
+    results: list[int]
+    wrong: list[str]
+    counts: StripeCounts
+    ops: collections.Counter[str]
+    exchange: RecordingExchange
+    broken: bool
+
+
+@contextlib.contextmanager
+def stored(rig: Rig, client: Any) -> Iterator[None]:
+    for key, value in rig.objects().items():
+        assert client.put(key, value) == 0
+    try:
+        yield
+    finally:
+        client.remove_by_regex(f"{rig.prefix}.*", True)
+
+
+def run_rig(rigs: Sequence[Rig], clients: ClientPool, **options: Any) -> list[RankRun]:
+    """One striped load on every rank (rank ``r`` runs ``rigs[r]``'s keys), threads over a ThreadExchange."""
+    tp = rigs[0].tp
+    leased = clients.acquire(tp)
+    exchange = ThreadExchange(tp, timeout=10, device_buffers=options.pop("device_buffers", False))
+    runs: list[RankRun | None] = [None] * tp
+    tensors = [rigs[rank].tensors() for rank in range(tp)]
+    try:
+        with contextlib.ExitStack() as stack:
+            for rig in {rig.prefix: rig for rig in rigs}.values():
+                stack.enter_context(stored(rig, leased[0]))
+            for rank in range(tp):
+                register(leased[rank], tensors[rank])
+
+            def rank_main(rank: int) -> None:
+                recording = RecordingExchange(exchange.member(rank))
+                store = rigs[rank].store(rank, leased[rank], tensors[rank], recording, **options)
+                request = rigs[rank].request(rank, tensors[rank])
+                with CountOps() as counter:
+                    results = store.batch_get_into_multi_buffers(*request)
+                wrong = rigs[rank].wrong(rank, tensors[rank], results)
+                runs[rank] = RankRun(results, wrong, store.counts, counter.ops, recording, store.broken)
+
+            threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(tp)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            for rank in range(tp):
+                unregister(leased[rank], tensors[rank])
+    finally:
+        clients.release(leased)
+    assert all(run is not None for run in runs), "a rank did not finish its load"
+    return [run for run in runs if run is not None]
+
+
+def rig(tp: int = 2, factor: int = 2, layers: int = 3, keys: int = 8, **fields: Any) -> Rig:
+    return Rig(tp, factor, layers, keys, prefix=f"striped-rig-{uuid.uuid4().hex[:8]}", **fields)
+
+
+@pytest.mark.parametrize("through_host", [False, True], ids=["cpu-tensors", "device-path-on-cpu"])
+def test_the_torch_operations_of_a_load_do_not_grow_with_its_keys(
+    mooncake_master: MooncakeMaster, clients: ClientPool, through_host: bool
+) -> None:
+    few, many = (run_rig([rig(keys=keys)] * 2, clients, stage_through_host=through_host) for keys in (2, 24))
+    for small, large in zip(few, many, strict=True):
+        assert small.wrong == large.wrong == [] and min(small.results + large.results) == 0
+        assert small.ops == large.ops  # every torch operation, by name and count
+        assert large.counts.keys_received == 12
+
+
+@pytest.mark.parametrize("through_host", [False, True], ids=["cpu-tensors", "device-path-on-cpu"])
+def test_copies_per_load_do_not_grow_with_regions_and_indexed_copies_are_one_per_kv_tensor(
+    mooncake_master: MooncakeMaster, clients: ClientPool, through_host: bool
+) -> None:
+    index_selects_besides_gathers = set()
+    for layers in (1, 4, 12):
+        for run in run_rig([rig(layers=layers, keys=10)] * 2, clients, stage_through_host=through_host):
+            assert run.wrong == [] and min(run.results) == 0
+            # Bulk copies: the send staging to the host and the received staging back, once each, on
+            # the device path; none where the KV cache is host memory. One header written per block.
+            assert (run.counts.device_to_host_copies, run.counts.host_to_device_copies) == (
+                (1, 1) if through_host else (0, 0)
+            )
+            assert run.ops["aten.copy_"] == 1 + 1 + 2 * through_host  # header, the exchange's own, bulk
+            assert run.counts.gather_ops == run.counts.scatter_ops == run.ops["aten.index_copy_"] == layers
+            # torch's repeat_interleave (building the row indices) runs index_select too: a constant.
+            index_selects_besides_gathers.add(run.ops["aten.index_select"] - layers)
+    assert len(index_selects_besides_gathers) == 1
+
+
+def test_a_rank_exchanges_with_its_replica_set_only_and_receives_f_minus_1_over_f_of_its_load(
+    mooncake_master: MooncakeMaster, clients: ClientPool
+) -> None:
+    runs = run_rig([rig(tp=4, factor=2, keys=10)] * 4, clients)
+    for rank, run in enumerate(runs):
+        peer = rank ^ 1  # replica sets (0, 1) and (2, 3)
+        assert run.wrong == [] and min(run.results) == 0
+        assert {p for p, _ in run.exchange.received} == {p for p, _ in run.exchange.sent} == {peer}
+        assert run.counts.bytes_received == run.counts.bytes_loaded // 2
+
+
+def test_device_buffers_take_the_same_bytes_without_host_staging(
+    mooncake_master: MooncakeMaster, clients: ClientPool
+) -> None:
+    for run in run_rig([rig(keys=7, layers=2)] * 2, clients, device_buffers=True):
+        assert run.wrong == [] and min(run.results) == 0
+        assert run.counts.peak_host_staging_bytes == 0 and run.counts.peak_device_staging_bytes > 0
+
+
+def test_ranks_out_of_step_use_none_of_what_they_received_and_stop_exchanging(
+    mooncake_master: MooncakeMaster, clients: ClientPool
+) -> None:
+    """Rank 1 loads other keys than rank 0 (same count and sizes): every header is another block's."""
+    first = rig(keys=6)
+    runs = run_rig([first, dataclasses.replace(first, seed=1, prefix=first.prefix + "-other")], clients)
+    for run in runs:
+        assert run.wrong == []
+        assert sorted(code >= 0 for code in run.results) == [False] * 3 + [True] * 3  # own stripe only
+        assert run.counts.keys_failed == 3 and run.broken
+
+
+def test_a_load_over_gloo_between_processes_arrives_byte_for_byte_within_replica_sets(
+    mooncake_master: MooncakeMaster, clients: ClientPool, tmp_path: Any
+) -> None:
+    """Four processes, replica sets (0, 1) and (2, 3), raw bytes over one gloo group's send/recv."""
+    spec = rig(tp=4, factor=2, layers=3, keys=9)
+    (client,) = clients.acquire(1)
+    context = multiprocessing.get_context("spawn")
+    outcome = context.Queue()
+    try:
+        with stored(spec, client):
+            init = f"file://{tmp_path / 'gloo-init'}"
+            processes = [
+                context.Process(target=process_rank, args=(rank, spec, mooncake_master.rpc_address, init, outcome))
+                for rank in range(spec.tp)
+            ]
+            for process in processes:
+                process.start()
+            reports = sorted(outcome.get(timeout=120) for _ in processes)
+            for process in processes:
+                process.join(60)
+    finally:
+        clients.release([client])
+    assert [process.exitcode for process in processes] == [0] * spec.tp
+    for rank, results, wrong, counts in reports:
+        assert wrong == [] and min(results) == 0
+        own = 5 if rank % 2 == 0 else 4  # 9 keys over 2 members: positions 0, 2, ... go to the first
+        assert counts["keys_read"] == own and counts["keys_received"] == 9 - own
+        assert counts["bytes_received"] == (9 - own) * 3 * spec.block_bytes
