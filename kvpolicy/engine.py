@@ -16,16 +16,22 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import NamedTuple
 
 from kvpolicy.catalog import is_subclass
 from kvpolicy.diagnostics import PlanError, PlanProblem
-from kvpolicy.expressions import ExpressionError, Value
+from kvpolicy.expressions import Expression, ExpressionError, Value
 from kvpolicy.keys import KeyContext, fingerprint, template_fields
 from kvpolicy.matcher import RuleMatch, layers_matching, layers_reason, match_spec, match_when, spec_variables
 from kvpolicy.models import (
+    Audit,
+    FieldExpression,
     Group,
+    KeyFormat,
+    LayerSpecs,
     Layout,
+    Match,
     Member,
     Policy,
     Replication,
@@ -389,6 +395,72 @@ def stored_bytes_identity(
         for decision in decided
     ]
     return identity
+
+
+_DOCUMENT = "the document format, not the plan"
+_WORDS = "words for people"
+_DECIDED_BY_THE_RULES = "the factors the rules decide are hashed, not the rule's wording"
+
+FINGERPRINTED: Mapping[type, frozenset[str]] = MappingProxyType({
+    Policy: frozenset({"rules", "unmatched", "combine", "key"}),
+    Rule: frozenset({"match", "when", "replication", "factor", "shards"}),
+    Match: frozenset({"spec", "layers", "fields"}),
+    KeyFormat: frozenset({"template"}),
+    Audit: frozenset(),
+    Layout: frozenset({"total_num_kv_heads", "kv_cache_layout", "groups"}),
+    Group: frozenset({"spec", "layers", "uniform"}),
+    LayerSpecs: frozenset({"spec", "layers"}),
+    Spec: frozenset({"type", "bases", "block_size", "page_size_bytes", "fields"}),
+    FieldExpression: frozenset({"expr"}),
+    Expression: frozenset({"source"}),
+    Topology: frozenset({"tp_size", "pp_size", "pcp_size", "dcp_size"}),
+    KeyContext: frozenset(),
+    StoreSharding: frozenset({"store_tp_size", "store_format"}),
+})
+"""Per document that :func:`make_plan` reads, the fields whose value reaches the plan fingerprint:
+hashed by :func:`stored_bytes_identity`, or through the decisions they make (a rule's factor, a
+spec's base classes a rule matches, the TP size in the runs and replica sets; an expression by the
+value it gives). Every other field is
+in :data:`NOT_FINGERPRINTED` with the reason; ``tests/core/test_fingerprint_coverage.py`` holds the
+two to the models' fields and to the fingerprint itself."""
+
+NOT_FINGERPRINTED: Mapping[type, Mapping[str, str]] = MappingProxyType({
+    Policy: {
+        "version": _DOCUMENT,
+        "kind": _DOCUMENT,
+        "name": "two policies that store the same bytes under the same keys share objects",
+        "description": _WORDS,
+        "strict": "it refuses a plan or not; a plan it makes is the one without it",
+        "schedule": "it decides which rank writes a chunk, not what the chunk holds",
+        "load": "it decides which rank reads a chunk, not which objects exist",
+        "audit": "an audit's demotion re-plans with the group demoted (hashed); its settings are not",
+        "spec_fields": "names expressions may read; the values they read are the specs' fields (hashed)",
+    },
+    Rule: {"name": _DECIDED_BY_THE_RULES, "reason": _DECIDED_BY_THE_RULES},
+    Match: {},
+    KeyFormat: {},
+    Audit: {"mode": "see Policy.audit", "steps": "see Policy.audit"},
+    Layout: {
+        "version": _DOCUMENT,
+        "kind": _DOCUMENT,
+        "model": "the model is in the keys by name ({model}); layouts of one shape store the same bytes",
+        "description": _WORDS,
+        "source": "where the layout came from, not what it states",
+    },
+    Group: {"name": _WORDS},
+    LayerSpecs: {},
+    Spec: {},
+    FieldExpression: {},
+    Expression: {},
+    Topology: {},
+    KeyContext: {
+        "model": "in the keys themselves ({model}), not the fingerprint",
+        "cache_prefix": "in the keys themselves ({cache_prefix}), not the fingerprint",
+        "store_namespace": "in the keys themselves ({store_namespace}); the sharding it names is hashed",
+    },
+    StoreSharding: {},
+})
+"""Per document that :func:`make_plan` reads, the fields left out of the plan fingerprint, and why."""
 
 
 def _stage_independent(decision: GroupDecision, topology: Topology) -> GroupDecision:
