@@ -30,7 +30,7 @@ DOCUMENTS: dict[tuple[str, str], tuple[list[str], str]] = {
 """(command, format) → an invocation and the kind of document it prints."""
 RUN_ELSEWHERE = {
     ("audit", "json"): "AuditReport: runs simulated ranks on vLLM and Mooncake (the integration tests below)",
-    ("doctor", "json"): "DoctorReport: kvpolicy/app/doctor.py's document, checked with the doctor command",
+    ("doctor", "json"): "DoctorReport: a model with kind and version in kvpolicy/app/doctor.py (its tests run the command)",
 }
 """JSON outputs whose kind is checked by another test here, or that another change owns."""
 FOREIGN_FORMATS = {
