@@ -1,4 +1,4 @@
-"""The ``kvpolicy`` command: validate, schema, plan, explain, keys, diff, vllm-config, audit, demo.
+"""The ``kvpolicy`` command: validate, schema, plan, explain, keys, diff, vllm-config, audit, doctor, demo.
 
 Exit codes: 0 success; 1 the input is invalid (every problem printed as ``PATH:LINE:COL: error: ...``)
 or a check failed; 2 the command line is wrong.
@@ -21,7 +21,7 @@ from kvpolicy.contract import key_contract
 from kvpolicy.diagnostics import DocumentError, PlanError
 from kvpolicy.engine import make_plan, plan_deployment
 from kvpolicy.loader import check_file, load_layout, load_policy, schemas_dir, shipped_policy_names
-from kvpolicy.models import KV_CACHE_LAYOUTS, Layout, Policy
+from kvpolicy.models import KV_CACHE_LAYOUTS, Layout
 from kvpolicy.plan import Plan
 from kvpolicy.report import (
     format_explanation,
@@ -84,6 +84,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if not 1 <= value <= 4096:
         raise argparse.ArgumentTypeError(f"expected a size between 1 and 4096, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value <= 60:
+        raise argparse.ArgumentTypeError(f"expected seconds between 0 and 60, got {text}")
     return value
 
 
@@ -227,18 +237,33 @@ def _explain(args: argparse.Namespace) -> int:
     return _plan(args)
 
 
-def _vllm_config(args: argparse.Namespace) -> int:
-    policy: Policy = load_policy(args.policy)  # refuse to print a config that would fail at start-up
-    setting: object = args.policy if not args.strict else {"policy": args.policy, "strict": True}
-    config = {
+def kv_transfer_config(policy: str, *, role: str = "kv_both", strict: bool = False) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` running ``policy`` (a shipped name or a path) with the connector;
+    :class:`DocumentError` with every problem when the policy is invalid (it would fail at start-up)."""
+    load_policy(policy)
+    setting: object = policy if not strict else {"policy": policy, "strict": True}
+    return {
         "kv_connector": "KVPolicyConnector",
         "kv_connector_module_path": "kvpolicy.vllm",
-        "kv_role": args.role,
+        "kv_role": role,
         "kv_connector_extra_config": {"kvpolicy": setting},
     }
+
+
+def _vllm_config(args: argparse.Namespace) -> int:
+    config = kv_transfer_config(args.policy, role=args.role, strict=args.strict)
     print(json.dumps(config, separators=(",", ":")))
-    print(f"# policy '{policy.name}' is valid; pass the line above to --kv-transfer-config", file=sys.stderr)
+    print(f"# policy '{load_policy(args.policy).name}' is valid; pass the line above to --kv-transfer-config",
+          file=sys.stderr)
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from kvpolicy.app.doctor import format_json, format_text, run_doctor  # imports vLLM, torch, Mooncake lazily
+
+    report = run_doctor(policy=args.policy, timeout_s=args.timeout)
+    print(format_json(report) if args.format == "json" else format_text(report))
+    return 0 if report.passed else 1
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -416,6 +441,18 @@ def build_parser() -> argparse.ArgumentParser:
     vllm_config.add_argument("--role", choices=("kv_both", "kv_producer", "kv_consumer"), default="kv_both")
     vllm_config.add_argument("--strict", action="store_true", help="make specs no rule matches an error")
     vllm_config.set_defaults(run=_vllm_config)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="check vLLM, torch, Mooncake, MOONCAKE_CONFIG_PATH and a policy; one line each (exit 1 if wrong)",
+    )
+    doctor.add_argument("--policy", help="also validate this policy and print its --kv-transfer-config")
+    doctor.add_argument(
+        "--timeout", type=_seconds, default=2.0, metavar="SECONDS",
+        help="how long the master gets to answer (default 2)",
+    )
+    doctor.add_argument("--format", choices=("text", "json"), default="text")
+    doctor.set_defaults(run=_doctor)
 
     list_command = commands.add_parser("list", help="list the shipped policies")
     list_command.set_defaults(run=_list)

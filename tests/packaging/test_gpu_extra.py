@@ -86,9 +86,10 @@ class Verdict:
         return all(majors == {self.torch_cuda_major} for majors in self.cudart.values())
 
     def __str__(self) -> str:
+        runtimes = {module: ", ".join(f"libcudart.so.{major}" for major in sorted(majors))
+                    for module, majors in self.cudart.items()}
         needs = ", ".join(
-            f"{module.rsplit('/', 1)[1]} NEEDS {', '.join(f'libcudart.so.{m}' for m in sorted(majors)) or 'no libcudart'}"
-            for module, majors in self.cudart.items()
+            f"{module.rsplit('/', 1)[1]} NEEDS {names or 'no libcudart'}" for module, names in runtimes.items()
         )
         return (f"vllm {self.vllm.version} pins torch {self.torch.version} (CUDA {self.torch_cuda_major}); "
                 f"{self.mooncake.name} {self.mooncake.version}: {needs}")
