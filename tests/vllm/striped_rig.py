@@ -1,6 +1,6 @@
 """A striped load without vLLM: ``tp`` ranks with KV caches of their own (one tensor per layer), one
 group replicated over replica sets of ``factor`` ranks, objects in a real Mooncake store, and each
-rank's :class:`~kvpolicy.vllm.striped.StripedReadStore` over a real store client. The ranks are threads
+rank's :class:`~kvpolicy.device.striped.StripedReadStore` over a real store client. The ranks are threads
 (:class:`~kvpolicy.runtime.collective.ThreadExchange`) or processes (:func:`process_rank`, over gloo).
 Only torch, Mooncake and kvpolicy are imported, so that a spawned rank starts fast."""
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from kvpolicy.device.striped import KVStorages, StripedReadStore
 from kvpolicy.runtime.collective import PeerExchange
-from kvpolicy.vllm.striped import KVStorages, StripedReadStore
 
 
 @dataclass(frozen=True)
@@ -96,12 +96,12 @@ def unregister(client: Any, tensors: list[torch.Tensor]) -> None:
 
 def process_rank(rank: int, rig: Rig, master_address: str, init_method: str, outcome: Any) -> None:
     """One rank in a process of its own: ``torch.distributed`` over gloo, a Mooncake client, a striped
-    load exchanged with :func:`~kvpolicy.vllm.striped.gloo_exchange`; puts (results, wrong keys,
+    load exchanged with :func:`~kvpolicy.device.striped.gloo_exchange`; puts (results, wrong keys,
     counts) on ``outcome``."""
     import dataclasses
 
+    from kvpolicy.device.striped import gloo_exchange
     from kvpolicy.mooncake.client import ClientConfig, MiB, connect_store
-    from kvpolicy.vllm.striped import gloo_exchange
 
     torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=rig.tp)
     client = connect_store(
