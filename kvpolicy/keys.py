@@ -372,8 +372,8 @@ def _grammar(template: str) -> _Grammar:
         if name is None:
             continue
         pattern, expected = _FIELD_PATTERNS[name]
-        # A field used twice must render the same value twice: a back-reference, not a second group.
-        pieces.append((pattern if name not in seen else f"(?P={name})", expected))
+        # A field used twice renders the same text twice: a back-reference to all the first one matched.
+        pieces.append((f"(?P<rendered_{name}>{pattern})" if name not in seen else f"(?P=rendered_{name})", expected))
         seen.add(name)
     if "fingerprint" not in seen:
         pieces.append((f"(?:{re.escape(DEMOTED_SUFFIX)}(?P<demoted>{_HEX_FINGERPRINT}))?", "the demoted suffix"))

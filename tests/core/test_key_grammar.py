@@ -162,6 +162,16 @@ def test_any_rendered_prefix_reads_back_into_the_values_that_rendered_it(
     assert parsed.render(template) == prefix
 
 
+def test_a_field_used_twice_must_render_the_same_text_in_both_places() -> None:
+    template = UPSTREAM_KEY_TEMPLATE + "@again:{cache_prefix}{group}"
+    context = KeyContext("M", "tenant@a")
+    prefix = render_prefix(template, context, fingerprint="0" * 12, group=3, shard=1, pcp_rank=0, dcp_rank=0, pp_rank=0)
+    parsed = parse_prefix(prefix, template)
+    assert (parsed.context, parsed.group, parsed.render(template)) == (context, 3, prefix)
+    with pytest.raises(KeyParseError):
+        parse_prefix(prefix.removesuffix("3") + "4", template)
+
+
 # --- refusals ------------------------------------------------------------------------------------
 
 

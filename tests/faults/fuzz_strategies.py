@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from kvpolicy.app.cli import main as cli_main
 from kvpolicy.diagnostics import MAX_MESSAGE_CHARS, Diagnostic
 from kvpolicy.expressions import MAX_INT, Expression, ExpressionError
-from kvpolicy.keys import KEY_TEMPLATE_FIELDS, KeyContext, render_prefix
+from kvpolicy.keys import KEY_TEMPLATE_FIELDS, KeyContext, parse_prefix, render_prefix
 from kvpolicy.loader import MAX_DIAGNOSTICS_PER_FILE, check_file, check_text
 from kvpolicy.models import KeyFormat
 
@@ -237,7 +237,8 @@ NAMESPACES = tuple(
 
 
 def template_contract(template: str) -> None:
-    """A template the validator accepts renders every namespace, each to its own prefix."""
+    """A template the validator accepts renders every namespace, each to its own prefix, which
+    :func:`~kvpolicy.keys.parse_prefix` reads back into that namespace."""
     try:
         KeyFormat(template=template)
     except ValueError:
@@ -248,6 +249,9 @@ def template_contract(template: str) -> None:
         prefix = render_prefix(template, context, fingerprint="f" * 12, **namespace)
         other = rendered.setdefault(prefix, namespace)
         assert other == namespace, f"template {template!r}: {other} and {namespace} share the key prefix {prefix!r}"
+        parsed = parse_prefix(prefix, template)
+        assert {name: getattr(parsed, name) for name in namespace} == namespace, (template, prefix)
+        assert parsed.render(template) == prefix, (template, prefix)
 
 
 # --- documents -----------------------------------------------------------------------------------
