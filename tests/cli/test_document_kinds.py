@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 from conftest import require
+from pydantic import BaseModel
 
 from kvpolicy.app.cli import build_parser, main
+from kvpolicy.app.doctor import DoctorReport
 from kvpolicy.contract import KeyContract
 from kvpolicy.report import DOCUMENT_VERSIONS
 
@@ -30,7 +32,7 @@ DOCUMENTS: dict[tuple[str, str], tuple[list[str], str]] = {
 """(command, format) → an invocation and the kind of document it prints."""
 RUN_ELSEWHERE = {
     ("audit", "json"): "AuditReport: runs simulated ranks on vLLM and Mooncake (the integration tests below)",
-    ("doctor", "json"): "DoctorReport: a model with kind and version in kvpolicy/app/doctor.py (its tests run the command)",
+    ("doctor", "json"): "DoctorReport: its model's kind and version are checked below; tests/cli/test_doctor.py runs it",
 }
 """JSON outputs whose kind is checked by another test here, or that another change owns."""
 FOREIGN_FORMATS = {
@@ -67,9 +69,10 @@ def test_the_document_carries_its_kind_and_version_first(output: tuple[str, str]
     assert (document["kind"], document["version"]) == (kind, DOCUMENT_VERSIONS[kind])
 
 
-def test_the_key_contracts_model_states_the_registered_version() -> None:
-    assert typing.get_args(KeyContract.model_fields["version"].annotation) == (DOCUMENT_VERSIONS["KeyContract"],)
-    assert typing.get_args(KeyContract.model_fields["kind"].annotation) == ("KeyContract",)
+@pytest.mark.parametrize("model", [KeyContract, DoctorReport], ids=lambda model: model.__name__)
+def test_a_document_models_kind_and_version_are_the_registered_ones(model: type[BaseModel]) -> None:
+    assert typing.get_args(model.model_fields["kind"].annotation) == (model.__name__,)
+    assert typing.get_args(model.model_fields["version"].annotation) == (DOCUMENT_VERSIONS[model.__name__],)
 
 
 def test_every_registered_kind_is_a_document_some_output_prints() -> None:
