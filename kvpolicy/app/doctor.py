@@ -12,8 +12,9 @@ directories (``RUNPATH``, else ``RPATH``, ``$ORIGIN`` expanded: Mooncake's bundl
 those of the bundled libraries in turn), or when ``dlopen`` of the name succeeds, which covers
 ``LD_LIBRARY_PATH``, the ``ldconfig`` cache, the default directories and a library of that SONAME
 already loaded. The last matters on GPU hosts: torch's CUDA wheels ship ``libcudart.so.13`` under
-``site-packages/nvidia/cu13/lib`` and load it on ``import torch``, so it is found although no system
-directory holds it, exactly as it is when vLLM imports Mooncake after torch. A library ``dlopen``
+``site-packages/nvidia/cu13/lib`` and load it on ``import torch`` (``libtorch_global_deps.so``, loaded
+``RTLD_GLOBAL``, NEEDS it with RPATH ``$ORIGIN/../../nvidia/cu13/lib`` in the torch 2.14.0 wheel), so it
+is found although no system directory holds it, exactly as it is when vLLM imports Mooncake after torch. A library ``dlopen``
 finds but cannot load (one of its own dependencies missing) is missing, with the loader's message.
 
 A ``libcudart`` major that differs from torch's CUDA major means the wrong Mooncake build (two CUDA
