@@ -46,10 +46,9 @@ from kvpolicy.runtime.striping import (
     IndexRun,
     StripeBlock,
     StripeCounts,
+    StorageMap,
     StripePiece,
     index_runs,
-    locator,
-    placements,
     plan_stripes,
     stripe_owner,
 )
@@ -91,8 +90,8 @@ class KVStorages:
         starts = sorted(storages)
         self._views = [storages[start] for start in starts]
         self.device: torch.device = devices.pop()
-        self.locate = locator(starts, [view.numel() for view in self._views])
-        """``locate(address, size)``: (storage number, offset in it)."""
+        self.map = StorageMap(starts, [view.numel() for view in self._views])
+        """Where each storage lies (the numbering :meth:`rows` takes)."""
 
     @classmethod
     def of_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> KVStorages:
@@ -222,7 +221,7 @@ class StripedReadStore:
         flags = [[results[unit.index] >= 0 for unit in block.units] for block in piece.outgoing]
         try:
             if piece.outgoing:
-                self._gather(index_runs(placements(piece.outgoing, addrs), self._storages.locate), send_work, tally)
+                self._gather(index_runs(piece.outgoing, addrs, self._storages.map), send_work, tally)
                 if send_wire is not send_work:
                     send_wire.copy_(send_work)  # one device→host copy of the whole piece
                     tally.device_to_host_copies += 1
@@ -253,8 +252,8 @@ class StripedReadStore:
                 if receive_work is not receive_wire:
                     receive_work.copy_(receive_wire)  # one host→device copy of the whole piece
                     tally.host_to_device_copies += 1
-                regions = placements(piece.incoming, addrs, only=lambda unit: unit.index in arrived)
-                self._scatter(index_runs(regions, self._storages.locate), receive_work, tally)
+                runs = index_runs(piece.incoming, addrs, self._storages.map, only=lambda unit: unit.index in arrived)
+                self._scatter(runs, receive_work, tally)
                 if self._storages.device.type == "cuda":
                     # vLLM uses the blocks once this call returns: the scatter must have landed.
                     torch.cuda.current_stream(self._storages.device).synchronize()
@@ -306,13 +305,11 @@ class StripedReadStore:
 
     def _indices(self, runs: Sequence[IndexRun], tally: _Tally) -> list[torch.Tensor]:
         """Each run's row indices on the KV cache's device, built on the host and copied over at once."""
-        firsts = [first for run in runs for first, _ in run.spans]
-        counts = [rows for run in runs for _, rows in run.spans]
-        starts = torch.tensor(firsts, dtype=torch.int64)
-        lengths = torch.tensor(counts, dtype=torch.int64)
-        # Row j of span i is firsts[i] + j: shift a running count by each span's first row less its start.
-        shifts = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths)
-        index = shifts + torch.arange(shifts.numel(), dtype=torch.int64)
+        parts = [
+            (torch.tensor(run.firsts, dtype=torch.int64)[:, None] + torch.arange(run.rows_each)).reshape(-1)
+            for run in runs
+        ]
+        index = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         tally.index_bytes = max(tally.index_bytes, index.numel() * index.element_size())
         if self._storages.device.type != "cpu":
             index = index.to(self._storages.device)

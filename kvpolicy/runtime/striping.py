@@ -37,15 +37,13 @@ __all__ = [
     "DEFAULT_PIECE_BUDGET_BYTES",
     "FINGERPRINT_BYTES",
     "IndexRun",
-    "Placement",
     "StripeBlock",
     "StripeCounts",
     "StripePiece",
     "StripeSchedule",
     "StripeUnit",
+    "StorageMap",
     "index_runs",
-    "locator",
-    "placements",
     "plan_stripes",
     "stripe_owner",
 ]
@@ -318,96 +316,147 @@ def _piece(units: Sequence[StripeUnit], members: dict[int, tuple[int, ...]], tp_
 # --- where the bytes go --------------------------------------------------------------------------
 
 
-Placement = tuple[int, int, int]
-"""(offset in a staging buffer, address in the KV cache, size) of one region."""
+class StorageMap:
+    """Where a rank's KV-cache tensors lie: tensor ``i`` holds ``lengths[i]`` bytes from ``starts[i]``
+    (ascending, disjoint). Addresses are the integers the store call lists."""
 
+    def __init__(self, starts: Sequence[int], lengths: Sequence[int]) -> None:
+        if list(starts) != sorted(starts):
+            raise ValueError("tensor starts must ascend")
+        self.starts = tuple(starts)
+        self.lengths = tuple(lengths)
 
-def placements(
-    blocks: Iterable[StripeBlock],
-    addresses: Sequence[Sequence[int]],
-    *,
-    only: Callable[[StripeUnit], bool] | None = None,
-) -> list[Placement]:
-    """Every region of the blocks' units (of those ``only`` keeps), in staging order;
-    ``addresses[unit.index]`` are the unit's region addresses on this rank."""
-    found: list[Placement] = []
-    for block in blocks:
-        for unit, offsets in zip(block.units, block.region_offsets(), strict=True):
-            if only is not None and not only(unit):
-                continue
-            region_addresses = addresses[unit.index]
-            if len(region_addresses) != len(unit.sizes):
-                raise ValueError(f"key {unit.key}: {len(region_addresses)} addresses for {len(unit.sizes)} regions")
-            found.extend(zip(offsets, region_addresses, unit.sizes, strict=True))
-    found.sort()
-    return found
+    def locate(self, address: int, size: int) -> tuple[int, int]:
+        """(tensor, offset in it) of ``size`` bytes at ``address``; ``ValueError`` when they do not lie
+        inside one tensor (so that no copy ever reaches past a tensor)."""
+        where = bisect.bisect_right(self.starts, address) - 1
+        if where < 0 or address + size > self.starts[where] + self.lengths[where]:
+            raise ValueError(f"bytes {address:#x}+{size} are not inside one registered KV-cache tensor")
+        return where, address - self.starts[where]
+
+    def column(self, addresses: Sequence[int], size: int) -> tuple[int, list[int]] | None:
+        """(tensor, offsets) when every one of ``addresses`` (``size`` bytes each) lies in one tensor, else None."""
+        where, _ = self.locate(addresses[0], size)
+        start = self.starts[where]
+        if min(addresses) < start or max(addresses) + size > start + self.lengths[where]:
+            return None
+        return where, [address - start for address in addresses]
 
 
 @dataclass(frozen=True)
 class IndexRun:
     """A stretch of a staging buffer whose bytes all come from (or go to) one KV-cache tensor: one
-    indexed copy. The tensor's bytes are viewed as rows of ``row_bytes``; ``spans`` list the rows, in
-    staging order, as (first row, number of rows)."""
+    indexed copy. The tensor is viewed as rows of ``row_bytes``; the stretch is ``rows_each`` rows from
+    each of ``firsts``, in order."""
 
     storage: int
-    """Which KV-cache tensor (the locating function's numbering)."""
+    """Which KV-cache tensor (:class:`StorageMap` numbering)."""
     start: int
     """Byte offset in the staging buffer."""
-    nbytes: int
     row_bytes: int
-    spans: tuple[tuple[int, int], ...]
+    firsts: tuple[int, ...]
+    rows_each: int
 
     @property
     def rows(self) -> int:
-        return self.nbytes // self.row_bytes
+        return len(self.firsts) * self.rows_each
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    def row_indices(self) -> list[int]:
+        """Every row, in staging order (the index an indexed copy takes)."""
+        return [first + row for first in self.firsts for row in range(self.rows_each)]
 
 
-def index_runs(found: Sequence[Placement], locate: Callable[[int, int], tuple[int, int]]) -> tuple[IndexRun, ...]:
-    """The indexed copies that move ``found`` (in staging order): consecutive regions of one tensor,
-    back to back in the staging buffer, share a run. ``locate(address, size)`` is (tensor, offset in
-    it), and raises for bytes outside every tensor."""
+def index_runs(
+    blocks: Iterable[StripeBlock],
+    addresses: Sequence[Sequence[int]],
+    storages: StorageMap,
+    *,
+    only: Callable[[StripeUnit], bool] | None = None,
+) -> tuple[IndexRun, ...]:
+    """The indexed copies that move the blocks' payloads between staging and the KV-cache tensors
+    (``addresses[unit.index]``: the unit's region addresses on this rank), for the units ``only``
+    keeps. A slot of a slot-major block (one region of each of its keys: on an engine, one layer's
+    tensor) is one copy; anything else (mixed region sizes, a slot across tensors) falls back to
+    runs of consecutive regions of one tensor and size."""
     runs: list[IndexRun] = []
-    current: list[tuple[int, int]] = []  # (offset in the tensor, size)
-    storage = start = end = -1
-    for staging_offset, address, size in found:
-        where, offset = locate(address, size)
-        if current and (where != storage or staging_offset != end):
-            runs.append(_run(storage, start, current))
-            current = []
-        if not current:
-            storage, start, end = where, staging_offset, staging_offset
-        current.append((offset, size))
-        end += size
-    if current:
-        runs.append(_run(storage, start, current))
+    for block in blocks:
+        kept = [only is None or only(unit) for unit in block.units]
+        for unit in block.units:
+            if len(addresses[unit.index]) != len(unit.sizes):
+                raise ValueError(
+                    f"key {unit.key}: {len(addresses[unit.index])} addresses for {len(unit.sizes)} regions"
+                )
+        shapes = {unit.sizes for unit in block.units}
+        if len(shapes) == 1:
+            runs += _slot_runs(block, next(iter(shapes)), kept, addresses, storages)
+        else:
+            regions = [
+                (offset, address, size)
+                for unit, offsets, keep in zip(block.units, block.region_offsets(), kept, strict=True)
+                if keep
+                for offset, address, size in zip(offsets, addresses[unit.index], unit.sizes, strict=True)
+            ]
+            runs += _region_runs(regions, storages)
     return tuple(runs)
 
 
-def _run(storage: int, start: int, regions: Sequence[tuple[int, int]]) -> IndexRun:
-    row_bytes = 0
-    for offset, size in regions:
-        row_bytes = math.gcd(row_bytes, offset, size)
-    row_bytes = max(row_bytes, 1)
-    spans: list[tuple[int, int]] = []
-    for offset, size in regions:
-        first, rows = offset // row_bytes, size // row_bytes
-        if spans and spans[-1][0] + spans[-1][1] == first:
-            spans[-1] = (spans[-1][0], spans[-1][1] + rows)
-        else:
-            spans.append((first, rows))
-    return IndexRun(storage, start, sum(size for _, size in regions), row_bytes, tuple(spans))
+def _slot_runs(
+    block: StripeBlock,
+    sizes: tuple[int, ...],
+    kept: Sequence[bool],
+    addresses: Sequence[Sequence[int]],
+    storages: StorageMap,
+) -> list[IndexRun]:
+    stretches = []  # (first unit, end unit) of consecutive kept units
+    for number, keep in enumerate(kept):
+        if keep and stretches and stretches[-1][1] == number:
+            stretches[-1] = (stretches[-1][0], number + 1)
+        elif keep:
+            stretches.append((number, number + 1))
+    runs: list[IndexRun] = []
+    slot_start = block.payload_offset
+    for slot, size in enumerate(sizes):
+        for first, end in stretches:
+            column = [addresses[unit.index][slot] for unit in block.units[first:end]]
+            start = slot_start + first * size
+            found = storages.column(column, size)
+            if found is None:
+                runs += _region_runs([(start + i * size, a, size) for i, a in enumerate(column)], storages)
+                continue
+            where, offsets = found
+            row_bytes = max(math.gcd(size, *offsets), 1)
+            runs.append(IndexRun(where, start, row_bytes, tuple(o // row_bytes for o in offsets), size // row_bytes))
+        slot_start += size * len(block.units)
+    return runs
 
 
-def locator(starts: Sequence[int], lengths: Sequence[int]) -> Callable[[int, int], tuple[int, int]]:
-    """``locate`` for tensors starting at ``starts`` (ascending) with ``lengths`` bytes each."""
+def _region_runs(regions: Sequence[tuple[int, int, int]], storages: StorageMap) -> list[IndexRun]:
+    """Runs of (staging offset, address, size) regions: consecutive ones of one tensor and one size,
+    back to back in staging, share a run."""
+    runs: list[IndexRun] = []
+    current: list[int] = []  # offsets in the tensor
+    where = start = end = size = -1
+    for staging_offset, address, region_size in regions:
+        tensor, offset = storages.locate(address, region_size)
+        if current and (tensor != where or staging_offset != end or region_size != size):
+            runs.append(_run(where, start, size, current))
+            current = []
+        if not current:
+            where, start, end, size = tensor, staging_offset, staging_offset, region_size
+        current.append(offset)
+        end += region_size
+    if current:
+        runs.append(_run(where, start, size, current))
+    return runs
 
-    def locate(address: int, size: int) -> tuple[int, int]:
-        where = bisect.bisect_right(starts, address) - 1
-        if where < 0 or address + size > starts[where] + lengths[where]:
-            raise ValueError(f"bytes {address:#x}+{size} are not inside one registered KV-cache tensor")
-        return where, address - starts[where]
 
-    return locate
+def _run(storage: int, start: int, size: int, offsets: Sequence[int]) -> IndexRun:
+    row_bytes = max(math.gcd(size, *offsets), 1)
+    return IndexRun(storage, start, row_bytes, tuple(offset // row_bytes for offset in offsets), size // row_bytes)
 
 
 # --- what a rank moved ---------------------------------------------------------------------------

@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from kvpolicy.runtime.collective import ExchangeTimeout, ThreadExchange
 from kvpolicy.runtime.striping import (
     FINGERPRINT_BYTES,
+    IndexRun,
+    StorageMap,
     StripeBlock,
     StripeSchedule,
     StripeUnit,
     index_runs,
-    locator,
-    placements,
     plan_stripes,
 )
 
@@ -258,63 +258,77 @@ def test_a_header_carries_the_owners_read_results_and_is_refused_for_another_blo
 # --- index runs -------------------------------------------------------------------------------------
 
 
-def layered_memory(layers: int, blocks: int, block_bytes: int, base: int) -> tuple[list[int], list[int]]:
+def layered_memory(layers: int, blocks: int, block_bytes: int, base: int) -> StorageMap:
     """One tensor per layer, ``blocks`` blocks each, placed apart in an address space."""
     starts = [base + layer * (blocks * block_bytes + 4096) for layer in range(layers)]
-    return starts, [blocks * block_bytes] * layers
+    return StorageMap(starts, [blocks * block_bytes] * layers)
 
 
 @pytest.mark.parametrize("keys", [1, 7, 64])
 @pytest.mark.parametrize("layers", [1, 5, 61])
 def test_a_block_moves_in_one_indexed_copy_per_tensor_whatever_its_keys_and_regions(keys: int, layers: int) -> None:
     block_bytes = 576
-    starts, lengths = layered_memory(layers, 200, block_bytes, 1 << 20)
+    memory = layered_memory(layers, 200, block_bytes, 1 << 20)
     units = tuple(unit(f"k{i:03}", (block_bytes,) * layers, i) for i in range(keys))
     block = StripeBlock(0, 0, (0, 1), units, offset=0)
-    addresses = [[starts[layer] + (3 * i + 1) * block_bytes for layer in range(layers)] for i in range(keys)]
-    runs = index_runs(placements([block], addresses), locator(starts, lengths))
+    addresses = [[memory.starts[layer] + (3 * i + 1) * block_bytes for layer in range(layers)] for i in range(keys)]
+    runs = index_runs([block], addresses, memory)
     assert len(runs) == layers
     assert all(run.row_bytes == block_bytes and run.rows == keys for run in runs)
 
 
-def test_index_runs_move_every_byte_to_its_place() -> None:
-    """Gather from one memory through the runs, scatter into another: every region arrives intact."""
+def move(runs: Sequence[IndexRun], memory: StorageMap, source: bytearray, target: bytearray, *, gather: bool) -> None:
+    """What the indexed copies do, in bytes: staging ``target`` from memory ``source`` (gather) or back."""
+    for run in runs:
+        position, width = run.start, run.row_bytes
+        for row in run.row_indices():
+            at = memory.starts[run.storage] + row * width
+            if gather:
+                target[position : position + width] = source[at : at + width]
+            else:
+                target[at : at + width] = source[position : position + width]
+            position += width
+
+
+@pytest.mark.parametrize("mixed_sizes", [False, True], ids=["slot-major", "key-major"])
+def test_index_runs_move_every_kept_byte_to_its_place_and_no_other(mixed_sizes: bool) -> None:
+    """Gather from one memory through the runs, scatter into another: every region of every kept
+    unit arrives intact, and nothing else is written."""
     rng = random.Random(7)
     layers, block_bytes, blocks = 3, 48, 20
-    starts, lengths = layered_memory(layers, blocks, block_bytes, 0)
-    source = bytearray(rng.randbytes(starts[-1] + lengths[-1]))
+    memory = layered_memory(layers, blocks, block_bytes, 0)
+    source = bytearray(rng.randbytes(memory.starts[-1] + memory.lengths[-1]))
     target = bytearray(len(source))
     ids = rng.sample(range(blocks), 6)
-    units = tuple(unit(f"k{i}", (block_bytes,) * layers, i) for i in range(len(ids)))
+    sizes = [(block_bytes,) * layers] * len(ids)
+    if mixed_sizes:
+        sizes[2] = (block_bytes, block_bytes // 2, block_bytes)
+    units = tuple(unit(f"k{i}", sizes[i], i) for i in range(len(ids)))
     block = StripeBlock(0, 0, (0, 1), units, offset=5)
-    addresses = [[starts[layer] + bid * block_bytes for layer in range(layers)] for bid in ids]
-    runs = index_runs(placements([block], addresses), locator(starts, lengths))
+    addresses = [[memory.starts[layer] + bid * block_bytes for layer in range(layers)] for bid in ids]
+    dropped = {1, 4}
     staging = bytearray(block.end)
-    for run in runs:  # gather
-        position = run.start
-        for first, rows in run.spans:
-            at = starts[run.storage] + first * run.row_bytes
-            staging[position : position + rows * run.row_bytes] = source[at : at + rows * run.row_bytes]
-            position += rows * run.row_bytes
-    for run in runs:  # scatter
-        position = run.start
-        for first, rows in run.spans:
-            at = starts[run.storage] + first * run.row_bytes
-            target[at : at + rows * run.row_bytes] = staging[position : position + rows * run.row_bytes]
-            position += rows * run.row_bytes
-    expected = bytearray(len(source))  # the regions, and not a byte elsewhere
-    for region_addresses in addresses:
-        for address in region_addresses:
-            expected[address : address + block_bytes] = source[address : address + block_bytes]
+    move(index_runs([block], addresses, memory), memory, source, staging, gather=True)
+    kept = index_runs([block], addresses, memory, only=lambda u: u.index not in dropped)
+    move(kept, memory, staging, target, gather=False)
+    expected = bytearray(len(source))  # the kept regions, and not a byte elsewhere
+    for u in units:
+        if u.index in dropped:
+            continue
+        for address, size in zip(addresses[u.index], u.sizes, strict=True):
+            expected[address : address + size] = source[address : address + size]
     assert target == expected
 
 
 def test_a_region_outside_every_tensor_is_refused() -> None:
-    locate = locator([1000], [100])
+    memory = StorageMap([1000], [100])
     with pytest.raises(ValueError, match="not inside one registered"):
-        locate(1090, 20)
+        memory.locate(1090, 20)
     with pytest.raises(ValueError, match="not inside one registered"):
-        locate(10, 4)
+        memory.locate(10, 4)
+    block = StripeBlock(0, 0, (0, 1), (unit("a", (20,)),), offset=0)
+    with pytest.raises(ValueError, match="not inside one registered"):
+        index_runs([block], [[1090]], memory)
 
 
 # --- whole loads over the thread exchange ------------------------------------------------------------
