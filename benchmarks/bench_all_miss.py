@@ -2,12 +2,12 @@
 the stock ``MooncakeStoreConnector`` and ``KVPolicyConnector`` (``default`` policy), in the same run.
 
 Three engine processes live side by side, each serving the tiny random Llama
-(``kvpolicy.vllm.tinymodel``) at TP=1 with prefix caching off inside the engine, so every request
+(``kvpolicy.harness.tinymodel``) at TP=1 with prefix caching off inside the engine, so every request
 computes its whole prompt: ``none`` (no ``kv_transfer_config``), ``stock`` (vLLM's
 ``MooncakeStoreConnector``) and ``kvpolicy`` (``KVPolicyConnector`` with the shipped ``default``
 policy, the ``--kv-transfer-config`` of the README's "Point vLLM at a policy"). The connector
 engines talk to a Mooncake master started here on 127.0.0.1 and store into a segment holder
-process (``kvpolicy.vllm.e2e.SegmentHolder``), each under its own ``cache_prefix``.
+process (``kvpolicy.harness.e2e.SegmentHolder``), each under its own ``cache_prefix``.
 ``--decompose`` adds two more kvpolicy engines that split the store path in two: ``kvpolicy-lookup``
 (``kv_role: kv_consumer``: the lookup runs, nothing is saved) and ``kvpolicy-save``
 (``enable_lookup: false``: every request is saved, no lookup).
@@ -140,7 +140,7 @@ def child(spec_path: str) -> int:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    from kvpolicy.vllm.e2e import drain_saves
+    from kvpolicy.harness.e2e import drain_saves
 
     spec = json.loads(Path(spec_path).read_text())
     config = spec["kv_transfer_config"]
@@ -288,7 +288,7 @@ class StoreCpu:
 
 
 def _engine_environment(store_config: Path, omp_threads: int | None) -> dict[str, str]:
-    from kvpolicy.vllm.e2e import child_env, engine_env
+    from kvpolicy.harness.e2e import child_env, engine_env
 
     env = engine_env(1, store_config)  # unbound OpenMP threads, one per core unless --omp-threads
     if omp_threads:
@@ -449,9 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_len < BLOCK_SIZE:
         parser.error(f"--prompt-len must be at least one chunk ({BLOCK_SIZE} tokens): shorter prompts are never saved")
 
+    from kvpolicy.harness.e2e import SegmentHolder, engine_store_config
+    from kvpolicy.harness.tinymodel import make_tiny_llama
     from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.vllm.e2e import SegmentHolder, engine_store_config
-    from kvpolicy.vllm.tinymodel import make_tiny_llama
 
     engines_spec = {**ENGINES, **(DECOMPOSED if args.decompose else {})}
     names = list(engines_spec)

@@ -2,7 +2,7 @@
 
 Two parts.
 
-**engine** — real vLLM engines on CPU (``kvpolicy.vllm.e2e.serve_once``, one fresh process each),
+**engine** — real vLLM engines on CPU (``kvpolicy.harness.e2e.serve_once``, one fresh process each),
 a tiny Llama with 1 KV head (so under ``default`` the attention group has factor = TP and is
 audited), a 4096-token prompt, ``max_tokens=1`` so that ``generate`` is the prefill alone. For TP=2
 and TP=4, one engine with ``default`` (audit: warn, 4 steps) and one with the same policy but
@@ -55,9 +55,9 @@ def _audit_off_policy(directory: Path) -> Path:
 
 
 def engine_part(args: argparse.Namespace) -> None:
+    from kvpolicy.harness.e2e import SegmentHolder, engine_store_config, fixed_prompt, serve_once
+    from kvpolicy.harness.tinymodel import make_tiny_llama
     from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.vllm.e2e import SegmentHolder, engine_store_config, fixed_prompt, serve_once
-    from kvpolicy.vllm.tinymodel import make_tiny_llama
 
     prompt = fixed_prompt(args.tokens, seed=4096)
     rows = []

@@ -1,8 +1,8 @@
 """End to end: warm-request latency of a real vLLM engine (CPU) with the stock connector vs KVPolicyConnector.
 
-A tiny random Llama (``kvpolicy.vllm.tinymodel``) is served by vLLM on the CPU at TP=1 with prefix
+A tiny random Llama (``kvpolicy.harness.tinymodel``) is served by vLLM on the CPU at TP=1 with prefix
 caching off inside the engine, against a Mooncake master started here and a segment holder process
-(``kvpolicy.vllm.e2e.SegmentHolder``) that keeps the objects; the engines mount no segment of their own
+(``kvpolicy.harness.e2e.SegmentHolder``) that keeps the objects; the engines mount no segment of their own
 (``engine_store_config``), so every load crosses a process boundary as in a real deployment.
 
 Two engine processes live side by side: one with ``MooncakeStoreConnector`` (stock vLLM), one with
@@ -77,7 +77,7 @@ def child(spec_path: str) -> int:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    from kvpolicy.vllm.e2e import drain_saves
+    from kvpolicy.harness.e2e import drain_saves
 
     spec = json.loads(Path(spec_path).read_text())
     started = time.monotonic()
@@ -186,7 +186,7 @@ class Engine:
         return self.send({"prompt": prompt})
 
     def stop(self) -> None:
-        from kvpolicy.vllm.e2e import kill_group
+        from kvpolicy.harness.e2e import kill_group
 
         with contextlib.suppress(OSError, ValueError):
             assert self.process.stdin is not None
@@ -200,7 +200,7 @@ class Engine:
 
 
 def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
-    from kvpolicy.vllm.e2e import fixed_prompt
+    from kvpolicy.harness.e2e import fixed_prompt
 
     return [fixed_prompt(length, seed=seed + index) for index in range(count)]
 
@@ -294,9 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return child(args.child)
 
+    from kvpolicy.harness.e2e import SegmentHolder, engine_store_config
+    from kvpolicy.harness.tinymodel import make_tiny_llama
     from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.vllm.e2e import SegmentHolder, engine_store_config
-    from kvpolicy.vllm.tinymodel import make_tiny_llama
 
     started = time.monotonic()
     records: dict[str, list[dict[str, Any]]] = {name: [] for name in CONNECTORS}

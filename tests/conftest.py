@@ -6,7 +6,7 @@ broken install. ``mooncake_master`` is one loopback Mooncake master for the whol
 end-to-end modules get one each (``e2e_master``, module scope, so no module hits on another's
 objects) and ``e2e_store_config``, the engines' ``MOONCAKE_CONFIG_PATH`` with a segment-holder
 process that owns the store's memory (engines mount nothing, so a warm engine reads what a cold one
-wrote after it exited; :mod:`kvpolicy.vllm.e2e`).
+wrote after it exited; :mod:`kvpolicy.harness.e2e`).
 
 Test modules reach ``require`` with ``from conftest import require``: pytest puts this directory on
 ``sys.path`` when it loads this file (the tests are not a package).
@@ -166,7 +166,7 @@ def e2e_master() -> Iterator[MooncakeMaster]:
 @pytest.fixture(scope="module")
 def e2e_store_config(e2e_master: MooncakeMaster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The engines' ``MOONCAKE_CONFIG_PATH``, with a segment holder keeping the objects alive."""
-    from kvpolicy.vllm.e2e import SegmentHolder, engine_store_config
+    from kvpolicy.harness.e2e import SegmentHolder, engine_store_config
 
     path = engine_store_config(e2e_master.client_config(), tmp_path_factory.mktemp("mooncake") / "engine.json")
     with SegmentHolder(e2e_master.rpc_address, segment_mib=SEGMENT_MIB):

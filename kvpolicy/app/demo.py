@@ -147,8 +147,8 @@ def _engine_policies() -> tuple[tuple[str, str, bool], ...]:
 
 def _engine_run(master: MooncakeMaster) -> bool:
     try:
-        from kvpolicy.vllm.e2e import EngineFailed, SegmentHolder, engine_store_config, fixed_prompt, serve_once
-        from kvpolicy.vllm.tinymodel import ARCHITECTURES, make_tiny_model
+        from kvpolicy.harness.e2e import EngineFailed, SegmentHolder, engine_store_config, fixed_prompt, serve_once
+        from kvpolicy.harness.tinymodel import ARCHITECTURES, make_tiny_model
     except ImportError as error:  # vLLM is optional for the demo; the simulation above already ran
         _say(f"  skipped: vLLM is not importable here ({error})")
         return True

@@ -73,7 +73,7 @@ class ClientConfig:
     """Bytes of this client's registered staging buffer."""
     network: str | None = None
     """A private subnet (``10.77.1.0/24``) whose addresses are allowed besides loopback: the hosts of a
-    test network made of namespaces (:mod:`kvpolicy.fleet.netns`). Never written to the config file."""
+    test network made of namespaces (:mod:`kvpolicy.harness.fleet.netns`). Never written to the config file."""
 
     def __post_init__(self) -> None:
         host, sep, port = self.master_server_address.rpartition(":")

@@ -2,7 +2,7 @@
 
 Servers (the Mooncake master, segment holders, vLLM) take a :class:`NetworkHost`: they bind its
 ``address``, start through its ``command`` and make their own HTTP calls through its ``call``.
-:data:`LOOPBACK` is this machine on 127.0.0.1; :class:`kvpolicy.fleet.netns.Host` is a host of a
+:data:`LOOPBACK` is this machine on 127.0.0.1; :class:`kvpolicy.harness.fleet.netns.Host` is a host of a
 network of namespaces.
 """
 

@@ -2,7 +2,7 @@
 
 A 2-KV-head tiny Llama at TP=2 holds a distinct head on each rank. The deliberately wrong policy
 declares attention replicated, so the two ranks share one namespace and take turns writing chunks.
-Three engines, each a fresh process (:func:`kvpolicy.vllm.e2e.serve_once`), one store:
+Three engines, each a fresh process (:func:`kvpolicy.harness.e2e.serve_once`), one store:
 
 * **A** (cold), the wrong policy with ``audit: off``: computes the prompt and writes it, striped,
   under the wrong plan's shared namespace (fingerprint F);
@@ -35,15 +35,15 @@ if importlib.util.find_spec("vllm") is None:
     unavailable("vllm is not installed (pip install 'kvpolicy[vllm]' on GPUs, 'kvpolicy[cpu]' on CPUs)")
 require("mooncake.store")
 
-from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402
-from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
-from kvpolicy.vllm.e2e import (  # noqa: E402
+from kvpolicy.harness.e2e import (  # noqa: E402
     DEFAULT_BLOCK_SIZE,
     EngineResult,
     fixed_prompt,
     serve_once,
 )
-from kvpolicy.vllm.tinymodel import make_tiny_llama  # noqa: E402
+from kvpolicy.harness.tinymodel import make_tiny_llama  # noqa: E402
+from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402
+from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 WRONG = REPO / "examples" / "policies" / "wrong-attention-replicated.yaml"

@@ -1,9 +1,9 @@
 """End to end: hybrid models (attention + TP-sharded recurrent state) through KVPolicyConnector at TP=2.
 
 The case kvpolicy exists for, on real vLLM-CPU engines and a real Mooncake store: each engine runs
-in a fresh process (:func:`kvpolicy.vllm.e2e.serve_once`), so a warm engine can only hit on objects
+in a fresh process (:func:`kvpolicy.harness.e2e.serve_once`), so a warm engine can only hit on objects
 an earlier engine left in the store. Three tiny random hybrids generated locally
-(:mod:`kvpolicy.vllm.tinymodel`): Qwen3-Next (Gated DeltaNet), Nemotron-H (Mamba2), LFM2 (short
+(:mod:`kvpolicy.harness.tinymodel`): Qwen3-Next (Gated DeltaNet), Nemotron-H (Mamba2), LFM2 (short
 conv). Per architecture:
 
 * ``default`` and ``vllm-compat`` on a 1-KV-head model (attention truly replicated over the two
@@ -47,15 +47,15 @@ if importlib.util.find_spec("vllm") is None:
 require("mooncake.store")
 
 from kvpolicy.app.cli import main as kvpolicy_main  # noqa: E402
-from kvpolicy.loader import check_file  # noqa: E402
-from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
-from kvpolicy.vllm.e2e import (  # noqa: E402
+from kvpolicy.harness.e2e import (  # noqa: E402
     EngineFailed,
     EngineResult,
     fixed_prompt,
     serve_once,
 )
-from kvpolicy.vllm.tinymodel import ARCHITECTURES, HYBRIDS, make_tiny_model  # noqa: E402
+from kvpolicy.harness.tinymodel import ARCHITECTURES, HYBRIDS, make_tiny_model  # noqa: E402
+from kvpolicy.loader import check_file  # noqa: E402
+from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGINS = Path(__file__).resolve().parent / "plugins"

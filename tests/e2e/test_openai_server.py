@@ -23,11 +23,11 @@ if importlib.util.find_spec("vllm") is None:
     unavailable("vllm is not installed (pip install 'kvpolicy[vllm]' on GPUs, 'kvpolicy[cpu]' on CPUs)")
 require("mooncake.store")
 
+from kvpolicy.harness.e2e import DEFAULT_BLOCK_SIZE, fixed_prompt  # noqa: E402
+from kvpolicy.harness.server import OpenAIServer, metric_value, wait_until  # noqa: E402
+from kvpolicy.harness.tinymodel import make_tiny_llama  # noqa: E402
 from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
-from kvpolicy.vllm.e2e import DEFAULT_BLOCK_SIZE, fixed_prompt  # noqa: E402
-from kvpolicy.vllm.server import OpenAIServer, metric_value, wait_until  # noqa: E402
-from kvpolicy.vllm.tinymodel import make_tiny_llama  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = fixed_prompt(200)

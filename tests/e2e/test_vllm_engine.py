@@ -1,6 +1,6 @@
 """End to end: real vLLM engines on CPU, the KVPolicyConnector, a real Mooncake store.
 
-Every engine runs in a fresh process (:func:`kvpolicy.vllm.e2e.serve_once`), so the warm engine B
+Every engine runs in a fresh process (:func:`kvpolicy.harness.e2e.serve_once`), so the warm engine B
 can only hit on objects the cold engine A left in the store. The model is a tiny random Llama
 generated locally; greedy sampling over a fixed 109-token prompt (3 full 32-token chunks).
 
@@ -27,19 +27,19 @@ if importlib.util.find_spec("vllm") is None:
 require("mooncake.store")
 
 from kvpolicy.contract import KeyContract  # noqa: E402
-from kvpolicy.keys import chunk_key  # noqa: E402
-from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402
-from kvpolicy.mooncake.client import store_client  # noqa: E402
-from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
-from kvpolicy.vllm.e2e import (  # noqa: E402
+from kvpolicy.harness.e2e import (  # noqa: E402
     DEFAULT_BLOCK_SIZE,
     EngineFailed,
     EngineResult,
     fixed_prompt,
     serve_once,
 )
+from kvpolicy.harness.tinymodel import make_tiny_llama  # noqa: E402
+from kvpolicy.keys import chunk_key  # noqa: E402
+from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402
+from kvpolicy.mooncake.client import store_client  # noqa: E402
+from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.sim.scheduler import block_hashes  # noqa: E402
-from kvpolicy.vllm.tinymodel import make_tiny_llama  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 WRONG_POLICY = REPO / "examples" / "policies" / "wrong-attention-replicated.yaml"

@@ -26,13 +26,13 @@ if importlib.util.find_spec("vllm") is None:
     unavailable("vllm is not installed (pip install 'kvpolicy[cpu]')")
 require("mooncake.store")
 
-from kvpolicy.fleet.hosts import HostFleet, kv_transfer_config  # noqa: E402
-from kvpolicy.fleet.load import run_load, shared_prefix_prompts  # noqa: E402
-from kvpolicy.fleet.netns import NetnsUnavailable, require_netns  # noqa: E402
+from kvpolicy.harness.e2e import DEFAULT_BLOCK_SIZE, fixed_prompt  # noqa: E402
+from kvpolicy.harness.fleet.hosts import HostFleet, kv_transfer_config  # noqa: E402
+from kvpolicy.harness.fleet.load import run_load, shared_prefix_prompts  # noqa: E402
+from kvpolicy.harness.fleet.netns import NetnsUnavailable, require_netns  # noqa: E402
+from kvpolicy.harness.server import Completion, OpenAIServer, metric_value, wait_until  # noqa: E402
+from kvpolicy.harness.tinymodel import make_tiny_llama  # noqa: E402
 from kvpolicy.mooncake import delta  # noqa: E402
-from kvpolicy.vllm.e2e import DEFAULT_BLOCK_SIZE, fixed_prompt  # noqa: E402
-from kvpolicy.vllm.server import Completion, OpenAIServer, metric_value, wait_until  # noqa: E402
-from kvpolicy.vllm.tinymodel import make_tiny_llama  # noqa: E402
 
 TP_SIZE = 2
 PROMPT_TOKENS = 200

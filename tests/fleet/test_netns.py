@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import unavailable
 
-from kvpolicy.fleet.netns import NetnsUnavailable, Network, remove_stale, require_netns
+from kvpolicy.harness.fleet.netns import NetnsUnavailable, Network, remove_stale, require_netns
 
 pytestmark = pytest.mark.integration
 

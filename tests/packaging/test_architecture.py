@@ -14,22 +14,25 @@ CORE = ("models", "loader", "yamlsource", "expressions", "matcher", "engine", "p
         "diagnostics", "schema", "report", "catalog", "traffic", "dumper", "store_layout", "contract", "diff")
 LAYERS = {
     "kvpolicy.runtime": {
-        "kvpolicy.vllm", "kvpolicy.mooncake", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.fleet",
+        "kvpolicy.vllm", "kvpolicy.mooncake", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.harness",
         "vllm", "torch", "mooncake",
     },
     "kvpolicy.device": {
-        "kvpolicy.vllm", "kvpolicy.mooncake", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.fleet", "vllm", "mooncake",
+        "kvpolicy.vllm", "kvpolicy.mooncake", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.harness", "vllm", "mooncake",
     },
-    "kvpolicy.mooncake": {"kvpolicy.vllm", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.fleet", "vllm"},
-    "kvpolicy.vllm": {"kvpolicy.sim", "kvpolicy.app", "kvpolicy.fleet"},
-    "kvpolicy.sim": {"kvpolicy.app", "kvpolicy.fleet"},
-    "kvpolicy.fleet": {"kvpolicy.app", "kvpolicy.sim", "vllm", "mooncake", "torch"},
+    "kvpolicy.mooncake": {"kvpolicy.vllm", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.harness", "vllm"},
+    "kvpolicy.vllm": {"kvpolicy.sim", "kvpolicy.app", "kvpolicy.harness"},
+    "kvpolicy.sim": {"kvpolicy.app", "kvpolicy.harness"},
+    "kvpolicy.harness": {"kvpolicy.app"},
+    "kvpolicy.harness.fleet": {"kvpolicy.app", "kvpolicy.sim", "vllm", "mooncake", "torch"},
 }
 """Package → the packages it must not import (data flows one way: core → runtime → adapters → sim → app;
 the run-time policy is written against declared ports, so it imports neither vLLM, torch, Mooncake
 nor any adapter; what runs on KV-cache tensors imports torch but neither vLLM nor Mooncake, so it runs
-on a GPU host without them (scripts/gpu_check.py); the fleet of test hosts starts processes of the adapters and imports neither vLLM
-nor Mooncake itself)."""
+on a GPU host without them (scripts/gpu_check.py). The harness (engine and server runners, tiny models,
+the fleet of test hosts) is tooling beside the simulation: it may use the adapters and the simulation,
+and nothing in the product imports it; its fleet starts processes of the adapters and imports neither
+vLLM nor Mooncake itself)."""
 
 
 def python_files(*roots: str) -> Iterator[Path]:
@@ -106,7 +109,9 @@ def test_the_private_name_check_sees_a_private_import(tmp_path: Path) -> None:
 @pytest.mark.parametrize("module", CORE)
 def test_the_core_imports_neither_vllm_mooncake_torch_nor_the_adapters(module: str) -> None:
     path = REPO / "kvpolicy" / f"{module}.py"
-    forbidden = ("vllm", "mooncake", "torch", "kvpolicy.vllm", "kvpolicy.mooncake", "kvpolicy.sim", "kvpolicy.app")
+    forbidden = (
+        "vllm", "mooncake", "torch", "kvpolicy.vllm", "kvpolicy.mooncake", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.harness",
+    )
     bad = [f"{line}: {name}" for line, name, _ in imports(path) if name.split(".")[0] in forbidden[:3] or name.startswith(forbidden[3:])]
     assert bad == []
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpolicy.vllm.server import metric_value
+from kvpolicy.harness.server import metric_value
 
 TEXT = """\
 # HELP vllm:mooncake_store_operation_time_seconds_bucket Histogram of Mooncake store communication time.

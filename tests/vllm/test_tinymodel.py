@@ -17,7 +17,7 @@ require("safetensors")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from kvpolicy.vllm.tinymodel import ARCHITECTURES, HYBRIDS, make_tiny_model  # noqa: E402
+from kvpolicy.harness.tinymodel import ARCHITECTURES, HYBRIDS, make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvpolicy.vllm.server import Completion, OpenAIServer
+from kvpolicy.harness.server import Completion, OpenAIServer
 
 __all__ = ["LoadReport", "run_load", "shared_prefix_prompts"]
 

@@ -314,7 +314,7 @@ def serve_once(
         started = time.monotonic()
         with stdout_path.open("w") as out, stderr_path.open("w") as err:
             process = subprocess.Popen(
-                [sys.executable, "-m", "kvpolicy.vllm.e2e", os.fspath(spec_path)],
+                [sys.executable, "-m", "kvpolicy.harness.e2e", os.fspath(spec_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
@@ -483,7 +483,7 @@ def _shutdown(llm: Any) -> None:
 
 def _main(argv: Sequence[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m kvpolicy.vllm.e2e SPEC.json", file=sys.stderr)
+        print("usage: python -m kvpolicy.harness.e2e SPEC.json", file=sys.stderr)
         return 2
     spec = json.loads(Path(argv[0]).read_text())
     result = _run_engine(spec)

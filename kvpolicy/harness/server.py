@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpolicy.harness.e2e import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, child_env, engine_env, kill_group
 from kvpolicy.mooncake.host import LOOPBACK, NetworkHost
-from kvpolicy.vllm.e2e import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, child_env, engine_env, kill_group
 
 STARTUP_TIMEOUT_S = 300.0
 LOG_DIR_ENV = "KVPOLICY_SERVER_LOG_DIR"

@@ -1,6 +1,6 @@
 """A Mooncake store and vLLM servers spread over the hosts of a network of namespaces.
 
-:class:`HostFleet` makes the hosts (:mod:`kvpolicy.fleet.netns`), starts a Mooncake master on one,
+:class:`HostFleet` makes the hosts (:mod:`kvpolicy.harness.fleet.netns`), starts a Mooncake master on one,
 a segment holder on each of the others it is told to (they own all the store's memory; the vLLM
 servers mount no segment, so their objects outlive them and sit on other machines), and starts vLLM
 OpenAI servers on the vLLM hosts with a ``--kv-transfer-config`` and the store config for their own
@@ -18,11 +18,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.fleet.netns import Host, Network
+from kvpolicy.harness.e2e import SegmentHolder, engine_store_config
+from kvpolicy.harness.fleet.netns import Host, Network
+from kvpolicy.harness.server import OpenAIServer
 from kvpolicy.mooncake.master import MooncakeMaster
 from kvpolicy.mooncake.metrics import MasterCounters
-from kvpolicy.vllm.e2e import SegmentHolder, engine_store_config
-from kvpolicy.vllm.server import OpenAIServer
 
 __all__ = ["HostFleet", "kv_transfer_config"]
 
