@@ -503,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except ImportError as error:
-        print(f"error: {args.command} needs {error.name or 'a module'} (pip install 'kvpolicy[vllm]' on GPUs, 'kvpolicy[cpu]' on CPUs): {_one_line(error)}")
+        print(f"error: {args.command} needs {error.name or 'a module'} (in a kvpolicy checkout: pip install '.[vllm]' on GPUs, '.[cpu]' on CPUs; see the README's Install): {_one_line(error)}")
         return 1
     except Exception as error:
         if os.environ.get("KVPOLICY_TRACEBACK"):

@@ -32,7 +32,11 @@ if TYPE_CHECKING:
 
 
 LOOPBACK = "127.0.0.1"
-INSTALL_HINT = "mooncake_master not found; install mooncake-transfer-engine-non-cuda==0.3.13.post1"
+INSTALL_HINT = (
+    "mooncake_master not found; install mooncake-transfer-engine-cuda13==0.3.13.post1 beside a CUDA 13 torch"
+    " (what '.[vllm]' brings) or mooncake-transfer-engine-non-cuda==0.3.13.post1 beside a CPU torch;"
+    " kvpolicy doctor says which"
+)
 IBVERBS_HINT = "libibverbs1 is missing: apt-get install -y libibverbs1"
 
 _STOP_TIMEOUT_S = 5.0

@@ -29,5 +29,5 @@ def check_vllm_version(version: str) -> None:
     if found is None or (int(found.group(1)), int(found.group(2))) not in SUPPORTED_SERIES:
         raise UnsupportedVLLMError(
             f"kvpolicy supports vLLM {supported_range()}, but vLLM {version!r} is installed; install a supported "
-            "release (pip install 'kvpolicy[vllm]' on GPUs, 'kvpolicy[cpu]' on CPUs) or a kvpolicy that supports it"
+            "release (in a kvpolicy checkout: pip install '.[vllm]' on GPUs, '.[cpu]' on CPUs; see the README's Install) or a kvpolicy that supports it"
         )

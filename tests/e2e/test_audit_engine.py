@@ -32,7 +32,7 @@ from conftest import require, unavailable
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 if importlib.util.find_spec("vllm") is None:
-    unavailable("vllm is not installed (pip install 'kvpolicy[vllm]' on GPUs, 'kvpolicy[cpu]' on CPUs)")
+    unavailable("vllm is not installed (in a kvpolicy checkout: pip install '.[vllm]' on GPUs, '.[cpu]' on CPUs)")
 require("mooncake.store")
 
 from kvpolicy.harness.e2e import (  # noqa: E402
