@@ -357,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             "(gather + scatter) and host staging KiB (its staging buffers' bytes at once) per load, the most of any "
             "rank, from its StripeCounts (no device-host copies: the simulation's KV caches are host memory); "
             "load ms = the simulated load (ranks are threads, the exchange in-process), median of "
-            f"{args.repeat}, alternating; speedup = per-rank ms / striped ms; checked = every rank's blocks byte for byte, and striped read exactly the "
-            "distinct objects."
+            f"{args.repeat}, alternating; speedup = per-rank ms / striped ms; checked = every rank's blocks byte "
+            "for byte, and striped read exactly the distinct objects."
         )
         print()
         print(
