@@ -161,10 +161,17 @@ class StripedReadStore:
     ) -> list[int]:
         if self.broken:
             return self._store.batch_get_into_multi_buffers(keys, addrs, sizes, *args)
-        schedule = plan_stripes(
-            keys, sizes, tp_rank=self._tp_rank, group_of_key=self._group_of_key,
-            replica_set_of=self._replica_set_of, budget_bytes=self._budget,
-        )
+        try:
+            schedule = plan_stripes(
+                keys, sizes, tp_rank=self._tp_rank, group_of_key=self._group_of_key,
+                replica_set_of=self._replica_set_of, budget_bytes=self._budget,
+            )
+        except Exception:
+            # Without a schedule this rank cannot meet its peers: they time out and stop striping too.
+            logger.exception("kvpolicy striped load: tp rank %d could not schedule a load; it reads every chunk "
+                             "itself now", self._tp_rank)
+            self.broken = True
+            return self._store.batch_get_into_multi_buffers(keys, addrs, sizes, *args)
         results = [EXCHANGE_FAILED] * len(keys)
         tally = _Tally(keys_loaded=len(keys), bytes_loaded=schedule.load_bytes)
         try:
@@ -228,8 +235,11 @@ class StripedReadStore:
         except Exception:
             logger.exception("kvpolicy striped load: tp rank %d could not stage its stripe", self._tp_rank)
             flags = [[False] * len(block.units) for block in piece.outgoing]
-        for block, ok in zip(piece.outgoing, flags, strict=True):
-            self._write(send_wire, block.offset, block.header(ok), tally)
+        try:
+            for block, ok in zip(piece.outgoing, flags, strict=True):
+                self._write(send_wire, block.offset, block.header(ok), tally)
+        except Exception:  # the peers then find no header of theirs and use nothing of this piece
+            logger.exception("kvpolicy striped load: tp rank %d could not write its block headers", self._tp_rank)
         tally.exchanges += 1
         try:
             sends: list[Transfer] = [(peer, send_wire[block.offset : block.end]) for peer, block in piece.sends()]
