@@ -23,9 +23,18 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
+import tiers
+from hypothesis import settings
 
 if TYPE_CHECKING:
     from kvpolicy.mooncake.master import MooncakeMaster
+
+
+DEV_EXAMPLES = 25
+"""Hypothesis examples per property in the developer's loop (the ``dev`` profile, the default)."""
+CI_EXAMPLES = 200
+"""Hypothesis examples per property under ``CI=true`` (the ``ci`` profile); ``HYPOTHESIS_PROFILE``
+or ``--hypothesis-profile`` picks either anywhere."""
 
 
 def in_ci() -> bool:
@@ -50,6 +59,118 @@ def require(module: str) -> ModuleType:
         return importlib.import_module(module)
     except (ImportError, OSError) as error:
         unavailable(f"{module} does not import: {error}")
+
+
+# --- hypothesis budgets -----------------------------------------------------------------------------
+
+settings.register_profile("dev", max_examples=DEV_EXAMPLES, deadline=None)
+settings.register_profile("ci", max_examples=CI_EXAMPLES, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if in_ci() else "dev"))
+
+
+# --- tiers (tests/tiers.py) ------------------------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--tier",
+        default=None,
+        metavar="TIER[,TIER...]",
+        help=f"run only these tiers ({', '.join(tiers.TIER_NAMES)}; tests/tiers.py) and import no module of another",
+    )
+
+
+def selected_tiers(config: pytest.Config) -> frozenset[str] | None:
+    option = config.getoption("--tier")
+    if option is None:
+        return None
+    chosen = frozenset(name.strip() for name in option.split(",") if name.strip())
+    unknown = sorted(chosen - set(tiers.TIER_NAMES))
+    if unknown or not chosen:
+        raise pytest.UsageError(f"--tier {option}: unknown tier {', '.join(unknown) or '(none)'}; tiers are {', '.join(tiers.TIER_NAMES)}")
+    return chosen
+
+
+def test_file(path: Path) -> str | None:
+    """``path`` relative to tests/ when it is a test module of this suite."""
+    if not (path.name.startswith("test_") and path.suffix == ".py"):
+        return None
+    try:
+        return path.resolve().relative_to(TESTS).as_posix()
+    except ValueError:
+        return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    selected_tiers(config)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Modules of unselected tiers are not imported at all (``-m`` would import every one)."""
+    chosen = selected_tiers(config)
+    file = test_file(collection_path)
+    if chosen is None or file is None:
+        return None
+    declared = tiers.declared(file)
+    return True if declared is not None and not chosen.intersection(declared) else None
+
+
+class Untiered(pytest.File):
+    """A test module with no tier: fails collection until tests/tiers.py gives it one."""
+
+    def collect(self) -> list[pytest.Item]:
+        raise self.CollectError(
+            f"tests/{test_file(self.path)} has no tier: add it to TIERS in tests/tiers.py "
+            f"({', '.join(tiers.TIER_NAMES)})"
+        )
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    file = test_file(file_path)
+    if file is not None and tiers.declared(file) is None:
+        return Untiered.from_parent(parent, path=file_path)
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test with its tier, move cells outside a covering subset to ``exhaustive``, and keep
+    only the ``--tier`` chosen. Runs before ``-m`` so ``-m contract`` sees the markers."""
+    assigned: dict[int, str] = {}
+    groups: dict[tuple[str, str], list[int]] = {}
+    wrong = []
+    for index, item in enumerate(items):
+        file = test_file(item.path)
+        if file is None or tiers.declared(file) is None:
+            continue
+        function = getattr(item, "originalname", item.name)
+        assigned[index] = tiers.tier_of(file, function, getattr(item, "fixturenames", ()))
+        callspec = getattr(item, "callspec", None)
+        if file in tiers.COVERED and callspec is not None:
+            groups.setdefault((file, function), []).append(index)
+    for (file, _), members in groups.items():
+        cells = [tiers.facets(items[i].callspec.params, items[i].callspec.indices) for i in members]
+        kept = {members[i] for i in tiers.covering(cells, tiers.COVERED[file])}
+        for index in members:
+            if index not in kept:
+                assigned[index] = "exhaustive"
+    for index, tier in assigned.items():
+        item = items[index]
+        declared = tiers.declared(test_file(item.path) or "") or ()
+        if tier not in declared:
+            wrong.append(f"{item.nodeid} is in tier {tier} (its fixtures), not in {', '.join(declared)}: list it in tests/tiers.py")
+        item.add_marker(getattr(pytest.mark, tier))
+    if wrong:
+        raise pytest.UsageError("\n".join(wrong))
+    chosen = selected_tiers(config)
+    if chosen is not None:
+        keep = [item for index, item in enumerate(items) if assigned.get(index) in chosen]
+        dropped = [item for index, item in enumerate(items) if assigned.get(index) not in chosen]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")

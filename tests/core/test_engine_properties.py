@@ -59,7 +59,7 @@ policies = st.builds(
     st.sampled_from(list(Schedule)),
 )
 
-SETTINGS = settings(max_examples=200, deadline=None)
+SETTINGS = settings(deadline=None)
 
 
 def plan_of(policy, the_layout, topology, **kwargs):
@@ -155,7 +155,7 @@ def test_vllm_compat_reproduces_upstream_factors(the_layout, topology):
     assert plan_of(POLICIES["vllm-compat"], the_layout, topology).factors == expected
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(layouts, topologies(), policies)
 def test_no_dedup_always_and_vllm_compat_under_dcp_give_factor_one(the_layout, topology, policy):
     factors = set(plan_of(policy, the_layout, topology).factors)

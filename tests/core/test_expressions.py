@@ -420,7 +420,7 @@ def python_eval(source: str) -> object:
         return eval(source, {"__builtins__": {"min": min, "max": max}}, dict(VARIABLES))  # noqa: S307 - the oracle
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(st.one_of(int_expressions(4), bool_expressions(3)))
 def test_allowed_expressions_evaluate_like_python(source):
     expression = Expression(source)
@@ -444,7 +444,7 @@ TOKENS = [
 FIELDS = {"mamba_type": "mamba2", "shapes": (1, 2), "none_field": None, "flag": True}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(st.one_of(st.text(max_size=60), st.lists(st.sampled_from(TOKENS), max_size=30).map("".join)))
 def test_junk_never_raises_anything_but_expression_error(source):
     try:

@@ -136,7 +136,7 @@ def segmented_templates() -> st.SearchStrategy[str]:
 names = st.text(st.sampled_from("abcXYZ019-._:/"), min_size=1, max_size=12)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(
     template=st.one_of(st.just(UPSTREAM_KEY_TEMPLATE), segmented_templates()),
     model=names.filter(lambda name: "/" not in name),

@@ -113,7 +113,7 @@ def test_a_uniform_group_reads_back_equal(tmp_path: Path) -> None:
     assert round_trip(original, tmp_path) == (original, [])
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(engine_layouts)
 def test_generated_engine_layouts_read_back_equal(original: Layout) -> None:
     assert check_text(dump_layout(original)) == (original, [])
@@ -304,13 +304,13 @@ def string_layouts(draw: Any) -> Layout:
     )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(string_layouts())
 def test_generated_layouts_with_arbitrary_strings_read_back_equal(original: Layout) -> None:
     assert check_text(dump_layout(original, captured_at=Topology(tp_size=2))) == (original, [])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(st.lists(name_runs(), min_size=1, max_size=5))
 def test_written_layer_patterns_expand_to_exactly_the_names(runs: list[list[str]]) -> None:
     names = literal_names(runs)

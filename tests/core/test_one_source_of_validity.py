@@ -55,7 +55,7 @@ def agree(text: str) -> None:
     assert schema_accepts or not model_accepts, "the JSON Schema refuses a document the models accept"
 
 
-PROPERTY = settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+PROPERTY = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 @PROPERTY

@@ -27,7 +27,7 @@ from kvpolicy import loader  # noqa: E402
 from kvpolicy.models import Policy  # noqa: E402
 from kvpolicy.yamlsource import MAX_NODES, SourceMap, parse  # noqa: E402
 
-PROPERTY = settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+PROPERTY = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 SCALARS = (str, int, float, bool, type(None), bytes, datetime.date)

@@ -88,7 +88,7 @@ def assert_same_group(shared: GroupPlan, own: GroupPlan, index: int) -> None:
         assert ours.schedule.phase == expected_phase
 
 
-@settings(max_examples=250, deadline=None)
+@settings(deadline=None)
 @given(layouts, topologies, policies, st.sets(st.integers(0, 6), max_size=2))
 def test_every_group_of_a_plan_is_the_group_planned_alone(the_layout, topology, the_policy, demoted):
     try:

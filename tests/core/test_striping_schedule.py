@@ -106,7 +106,7 @@ def test_the_jth_key_of_a_group_in_sorted_order_is_read_by_member_j_mod_f() -> N
     assert {unit.owner for unit in schedule.units_received} == {0}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(loads())
 def test_every_key_is_read_exactly_once_per_replica_set_and_held_by_every_member(load: Load) -> None:
     schedules = [load.schedule(rank) for rank in range(load.tp)]
@@ -123,7 +123,7 @@ def test_every_key_is_read_exactly_once_per_replica_set_and_held_by_every_member
             assert len(readers) == len(set(readers))  # no key read twice in a replica set
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(loads())
 def test_a_rank_receives_only_from_members_of_its_replica_set_in_that_group(load: Load) -> None:
     for rank in range(load.tp):
@@ -134,7 +134,7 @@ def test_a_rank_receives_only_from_members_of_its_replica_set_in_that_group(load
                 assert peer in load.replica_set(block.group, rank) and peer != rank
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(loads())
 def test_bytes_received_are_the_load_less_the_own_stripe_at_most_one_key_a_group_over_f_minus_1_over_f(
     load: Load,
@@ -162,7 +162,7 @@ def test_when_f_divides_the_keys_each_rank_receives_exactly_f_minus_1_over_f_of_
         assert schedule.bytes_received == 7 / 8 * 16 * 128 + 1 / 2 * 6 * 128
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(loads())
 def test_summed_over_a_replica_set_the_members_receive_f_minus_1_times_the_groups_bytes(load: Load) -> None:
     for group_index, group in enumerate(load.groups):
@@ -181,7 +181,7 @@ def test_summed_over_a_replica_set_the_members_receive_f_minus_1_times_the_group
 # --- pieces -----------------------------------------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(loads(), st.integers(1, 3000))
 def test_no_piece_stages_more_than_the_budget_unless_one_key_alone_exceeds_it(load: Load, budget: int) -> None:
     for rank in range(load.tp):
@@ -190,7 +190,7 @@ def test_no_piece_stages_more_than_the_budget_unless_one_key_alone_exceeds_it(lo
             assert piece.staged_bytes <= budget or len(units) == 1
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(loads(), st.integers(1, 3000))
 def test_every_rank_derives_the_same_pieces(load: Load, budget: int) -> None:
     def cut(rank: int) -> list[list[tuple[int, int]]]:
@@ -202,7 +202,7 @@ def test_every_rank_derives_the_same_pieces(load: Load, budget: int) -> None:
     assert all(cut(rank) == cut(0) for rank in range(load.tp))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(loads(), st.integers(1, 3000))
 def test_what_a_rank_sends_a_peer_is_what_the_peer_expects_from_it_in_the_same_order(load: Load, budget: int) -> None:
     schedules = [load.schedule(rank, budget) for rank in range(load.tp)]
@@ -395,7 +395,7 @@ def run_load(load: Load, budget: int, *, fail_reads: frozenset[str] = frozenset(
     return outcome
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(loads(max_tp=4), st.integers(40, 2000))
 def test_over_the_thread_exchange_every_rank_ends_with_every_keys_bytes(load: Load, budget: int) -> None:
     *ranks, truth = run_load(load, budget)

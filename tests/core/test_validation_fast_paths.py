@@ -25,7 +25,7 @@ import fuzz_strategies as fs  # noqa: E402
 from kvpolicy.expressions import MAX_INT, Expression, ExpressionError, shared_expression  # noqa: E402
 from kvpolicy.models import MAX_VALUE_DEPTH, FrozenMapping, Layout, Spec, expand_layer_pattern  # noqa: E402
 
-PROPERTY = settings(deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+PROPERTY = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 # --- freezing a free-form value: one walk, the checks of two -------------------------------------

@@ -37,19 +37,19 @@ def test_the_unmutated_seed_documents_load(name: str) -> None:
     assert document is not None
 
 
-@settings(FUZZ, max_examples=150)
+@settings(FUZZ)
 @given(fs.mutated_documents())
 def test_check_text_reports_located_problems_for_mutated_documents(text: str) -> None:
     fs.check_contract(text)
 
 
-@settings(FUZZ, max_examples=150)
+@settings(FUZZ)
 @given(fs.mutated_texts())
 def test_check_text_reports_located_problems_for_mangled_yaml_text(text: str) -> None:
     fs.check_contract(text)
 
 
-@settings(FUZZ, max_examples=100)
+@settings(FUZZ)
 @given(fs.generated_documents())
 def test_check_text_reports_located_problems_for_generated_documents(text: str) -> None:
     fs.check_contract(text)
@@ -96,7 +96,7 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @settings(
-    FUZZ, max_examples=80, suppress_health_check=[*FUZZ.suppress_health_check, HealthCheck.function_scoped_fixture]
+    FUZZ, suppress_health_check=[*FUZZ.suppress_health_check, HealthCheck.function_scoped_fixture]
 )
 @given(content=fs.raw_files(), output=st.sampled_from(["text", "json", "github", "sarif"]))
 def test_validate_prints_diagnostics_never_a_traceback(
@@ -117,7 +117,7 @@ def test_validate_refuses_every_special_path_with_one_located_error(kind: str, o
     fs.special_file_contract(kind, output, tmp_path)
 
 
-@settings(FUZZ, max_examples=60)
+@settings(FUZZ)
 @given(fs.plan_argvs())
 def test_any_plan_explain_or_diff_command_line_exits_0_1_or_2_without_a_traceback(argv: list[str]) -> None:
     fs.cli_contract(argv)
@@ -166,13 +166,13 @@ def test_a_dunder_or_builtin_name_is_only_ever_an_unknown_variable(name: str) ->
         Expression(name).evaluate(fs.TOPOLOGY)
 
 
-@settings(FUZZ, max_examples=300)
+@settings(FUZZ)
 @given(fs.expressions())
 def test_any_expression_is_refused_or_whitelisted_and_evaluates_to_a_bounded_value(source: str) -> None:
     fs.expression_contract(source)
 
 
-@settings(FUZZ, max_examples=100)
+@settings(FUZZ)
 @given(fs.pathological_expressions())
 def test_long_deep_and_large_expressions_finish_within_a_second(source: str) -> None:
     fs.expression_contract(source)
@@ -197,7 +197,7 @@ def test_expression_size_nesting_and_magnitude_are_bounded(shape: str, size: int
 # --- key templates -------------------------------------------------------------------------------
 
 
-@settings(FUZZ, max_examples=200)
+@settings(FUZZ)
 @given(fs.key_templates())
 def test_a_valid_key_template_renders_every_namespace_to_its_own_prefix(template: str) -> None:
     fs.template_contract(template)
