@@ -127,6 +127,24 @@ class Untiered(pytest.File):
         )
 
 
+class MissingNeeds(pytest.Module):
+    """A test module whose tier needs packages that are not installed: skipped without importing it
+    (failed under ``CI=true``)."""
+
+    def collect(self) -> list[pytest.Item]:
+        file = test_file(self.path) or ""
+        unavailable(
+            f"tier {tiers.default_tier(file)} needs {', '.join(tiers.missing_needs(file))}, not installed (tests/tiers.py)"
+        )
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Module | None:
+    file = test_file(module_path)
+    if file is not None and tiers.declared(file) is not None and tiers.missing_needs(file):
+        return MissingNeeds.from_parent(parent, path=module_path)
+    return None
+
+
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
     file = test_file(file_path)
     if file is not None and tiers.declared(file) is None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import importlib.util
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -127,6 +128,16 @@ TIERS: dict[str, str | tuple[str, ...]] = {
 be ``file::test_name`` (an ``fnmatch`` pattern on the test function's name) to give one test of a
 file another tier."""
 
+NEEDS: dict[str, tuple[str, ...]] = {
+    "pure": (),
+    "contract": ("vllm", "torch"),
+    "sim": ("vllm", "torch", "mooncake"),
+    "engine": ("vllm", "torch", "mooncake"),
+    "exhaustive": ("vllm", "torch"),
+}
+"""Packages a tier's modules need installed: a module whose file's tier needs a missing one is not
+imported and skips (fails under ``CI=true``), so a machine with only the core collects cleanly."""
+
 FIXTURE_TIERS = {
     "mooncake_master": "sim",
     "clients": "sim",
@@ -202,3 +213,20 @@ def covering(cells: Sequence[Facets], how: str) -> list[int]:
             seen |= units
             kept.append(index)
     return kept
+
+
+def default_tier(file: str) -> str:
+    """The tier of ``file``'s tests unless a fixture or a per-test entry says otherwise."""
+    return _as_tuple(TIERS[file])[0]
+
+
+def installed(package: str) -> bool:
+    """``package`` is importable as a real package: a test folder of the same name (a namespace
+    package without ``__init__.py`` on ``sys.path``) does not count."""
+    spec = importlib.util.find_spec(package)
+    return spec is not None and spec.origin is not None
+
+
+def missing_needs(file: str) -> tuple[str, ...]:
+    """The packages ``file``'s tier needs that are not installed."""
+    return tuple(package for package in NEEDS[default_tier(file)] if not installed(package))

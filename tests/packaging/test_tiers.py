@@ -4,6 +4,7 @@ others, covering subsets cover, and hypothesis budgets come from the dev / ci pr
 from __future__ import annotations
 
 import ast
+import importlib
 import itertools
 import os
 import subprocess
@@ -170,3 +171,17 @@ def test_no_test_sets_its_own_hypothesis_budget() -> None:
         if isinstance(node, ast.keyword) and node.arg == "max_examples"
     ]
     assert sites == []
+
+
+def test_a_test_folder_named_like_a_package_is_not_that_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "kvpolicy_probe_pkg").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not tiers.installed("kvpolicy_probe_pkg")
+    (tmp_path / "kvpolicy_probe_pkg" / "__init__.py").write_text("", encoding="utf-8")
+    importlib.invalidate_caches()
+    assert tiers.installed("kvpolicy_probe_pkg")
+
+
+def test_the_tiers_beyond_pure_need_vllm_and_torch_and_pure_needs_nothing() -> None:
+    assert tiers.NEEDS["pure"] == ()
+    assert all({"vllm", "torch"} <= set(tiers.NEEDS[tier]) for tier in tiers.TIER_NAMES if tier != "pure")
