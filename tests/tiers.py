@@ -52,7 +52,8 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "core/test_fingerprint_coverage.py": "pure",
     "core/test_frozen_documents.py": "pure",
     "core/test_golden_keys.py": "pure",
-    "core/test_hostile_inputs.py": "pure",
+    "core/test_hostile_inputs.py": ("pure", "contract"),
+    "core/test_hostile_inputs.py::test_audit_without_vllm_is_one_line_naming_what_to_install": "contract",
     "core/test_key_contract.py": "pure",
     "core/test_key_grammar.py": "pure",
     "core/test_layout_dump.py": "pure",
@@ -69,6 +70,10 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "core/test_validation_fast_paths.py": "pure",
     "core/test_settings.py": "pure",
     "faults/test_fuzz_loader.py": "pure",
+    # --- the run-time policy without vLLM (in-memory store, list collective, hand clock) --------------
+    "runtime/test_read_failures.py": "pure",
+    "runtime/test_markers.py": "pure",
+    "runtime/test_policy.py": "pure",
     # --- the command line -----------------------------------------------------------------------
     "cli/test_cli.py": "pure",
     "cli/test_diagnostic_formats.py": "pure",
@@ -96,11 +101,12 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     f"{C}/test_hybrid_block_sizes.py": "contract",
     f"{C}/test_layout_adapter.py": "contract",
     f"{C}/test_layout_capture.py": "contract",
-    f"{C}/test_read_failures.py": "contract",
     f"{C}/test_standalone_worker.py": "contract",
     f"{C}/test_store_tp_layouts.py": "contract",
     f"{C}/test_tinymodel.py": "contract",
     f"{C}/test_vllm_version.py": "contract",
+    f"{C}/test_vllm_internals.py": ("contract", "engine"),
+    f"{C}/test_vllm_internals.py::test_vllm_0_33_has_kvpolicys_surface": "engine",
     "faults/test_policy_read_once.py": "contract",
     # --- simulated instances on a real master -----------------------------------------------------
     f"{C}/test_audit_harness.py": "sim",
@@ -227,6 +233,6 @@ def installed(package: str) -> bool:
     return spec is not None and spec.origin is not None
 
 
-def missing_needs(file: str) -> tuple[str, ...]:
-    """The packages ``file``'s tier needs that are not installed."""
-    return tuple(package for package in NEEDS[default_tier(file)] if not installed(package))
+def missing(tier: str) -> tuple[str, ...]:
+    """The packages ``tier`` needs that are not installed."""
+    return tuple(package for package in NEEDS[tier] if not installed(package))
