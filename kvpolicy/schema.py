@@ -1,4 +1,5 @@
-"""JSON Schemas of the documents kvpolicy reads (policies, layouts) and writes (key contracts),
+"""JSON Schemas of the documents kvpolicy reads (policies, layouts, the connector's
+``kv_connector_extra_config``) and writes (key contracts),
 generated from the models so they cannot drift."""
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from pydantic import BaseModel
 
 from kvpolicy.contract import KeyContract
 from kvpolicy.models import Layout, Policy
+from kvpolicy.settings import KVPolicySettings
 
 SCHEMA_FILES: dict[str, type[BaseModel]] = {
     "policy.schema.json": Policy,
     "layout.schema.json": Layout,
     "keys.schema.json": KeyContract,
+    "connector.schema.json": KVPolicySettings,
 }
 
 

@@ -32,6 +32,7 @@ from kvpolicy.report import (
     traffic_to_json,
     versioned,
 )
+from kvpolicy.settings import KVPolicySettings, PolicySelection
 from kvpolicy.store_layout import StoreSelection
 from kvpolicy.traffic import prompt_traffic
 
@@ -241,13 +242,8 @@ def kv_transfer_config(policy: str, *, role: str = "kv_both", strict: bool = Fal
     """vLLM's ``--kv-transfer-config`` running ``policy`` (a shipped name or a path) with the connector;
     :class:`DocumentError` with every problem when the policy is invalid (it would fail at start-up)."""
     load_policy(policy)
-    setting: object = policy if not strict else {"policy": policy, "strict": True}
-    return {
-        "kv_connector": "KVPolicyConnector",
-        "kv_connector_module_path": "kvpolicy.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": {"kvpolicy": setting},
-    }
+    setting = policy if not strict else PolicySelection(policy=policy, strict=True)
+    return KVPolicySettings(kvpolicy=setting).kv_transfer_config(role=role)
 
 
 def _vllm_config(args: argparse.Namespace) -> int:

@@ -1,0 +1,271 @@
+"""The connector's own ``kv_connector_extra_config`` keys, as one frozen model parsed once.
+
+``KVPolicyConnector`` reads the keys that start with ``kvpolicy``; every other key of
+``kv_connector_extra_config`` (``cache_prefix``, ``store_tp_size``, ...) is vLLM's Mooncake store
+connector's and passes through untouched. :meth:`KVPolicySettings.parse` refuses a bad value and
+an unknown ``kvpolicy*`` key with one located line each, all at once::
+
+    kv_connector_extra_config.kvpolicy_read_failure_ttl_s: error: must be a number of seconds >= 0 ...
+
+:meth:`KVPolicySettings.kv_transfer_config` is the one builder of vLLM's ``--kv-transfer-config``
+for the connector (what ``kvpolicy vllm-config`` prints). Pure: usable by the CLI without vLLM.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "CONNECTOR_CLASS",
+    "CONNECTOR_MODULE",
+    "DEFAULT_PIECE_MIB",
+    "DEFAULT_READ_FAILURE_TTL_S",
+    "EXTRA_CONFIG",
+    "KVPolicySettings",
+    "PolicySelection",
+    "SettingsError",
+    "keys_path_beside",
+    "policy_usage",
+]
+
+EXTRA_CONFIG = "kv_connector_extra_config"
+"""Where the keys live in vLLM's ``--kv-transfer-config``; the start of every error's location."""
+CONNECTOR_CLASS = "KVPolicyConnector"
+"""``kv_connector``: the connector's class name."""
+CONNECTOR_MODULE = "kvpolicy.vllm"
+"""``kv_connector_module_path``: where vLLM's factory imports the connector from."""
+DEFAULT_READ_FAILURE_TTL_S = 30.0
+"""Three times Mooncake's default ``client_ttl``: past the window in which the master still lists a
+dead host's objects."""
+DEFAULT_PIECE_MIB = 256.0
+"""MiB one rank stages per exchange of a striped load unless ``kvpolicy_striped_piece_mib`` says."""
+KEY_PREFIX = "kvpolicy"
+"""Keys starting with this are the connector's own: an unknown one is a misspelling, not vLLM's."""
+
+
+class SettingsError(ValueError):
+    """``kv_connector_extra_config`` holds bad kvpolicy settings: one located line per problem."""
+
+    def __init__(self, problems: tuple[str, ...]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def _problem(message: str) -> PydanticCustomError:
+    return PydanticCustomError("kvpolicy_setting", message)
+
+
+class PolicySelection(BaseModel):
+    """The mapping form of ``kvpolicy``: a policy and an override of its ``strict`` setting."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    policy: str = Field(min_length=1)
+    """A shipped policy name or a policy file path."""
+    strict: bool | None = None
+    """Overrides the policy file's ``strict``; unset keeps the file's."""
+
+
+def policy_usage() -> str:
+    """What ``kvpolicy`` may be set to."""
+    # Imported here: the loader reads the shipped policies' directory, the model needs no files.
+    from kvpolicy.loader import shipped_policy_names
+
+    return (
+        f"set it to a shipped policy ({', '.join(shipped_policy_names())}), a policy file path, "
+        "or {'policy': <name or path>, 'strict': <true|false>}"
+    )
+
+
+def _selection_from_mapping(setting: Mapping[Any, Any]) -> PolicySelection:
+    allowed = tuple(PolicySelection.model_fields)
+    unknown = [str(key) for key in setting if key not in allowed]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], allowed, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"allowed: {', '.join(allowed)}"
+        raise _problem(f"unknown key '{unknown[0]}'; {hint}")
+    name = setting.get("policy")
+    if not isinstance(name, (str, os.PathLike)) or not os.fspath(name):
+        raise _problem(f"lacks 'policy'; {policy_usage()}")
+    strict = setting.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise _problem(f"'strict' must be true or false, got {strict!r}")
+    return PolicySelection(policy=os.fspath(name), strict=strict)
+
+
+class KVPolicySettings(BaseModel):
+    """The connector's own ``kv_connector_extra_config`` keys (field name = key)."""
+
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        title="KVPolicyConnectorSettings",
+        json_schema_extra=lambda schema: _open_to_vllm_keys(schema),
+    )
+
+    kvpolicy: str | PolicySelection | None = None
+    """The policy: a shipped policy name, a policy file path, or ``{"policy": <name or path>, "strict":
+    <bool>}``. The connector needs it; a worker built without the connector takes its policy directly."""
+    kvpolicy_plan_json: Path | None = None
+    """A file rank 0 writes the plan to, as JSON (rewritten after every audited step that changes a
+    group's audit status)."""
+    kvpolicy_keys_json: Path | None = None
+    """A file rank 0 writes the key contract to (what ``kvpolicy keys --format json`` prints), at
+    start-up and whenever the audit changes the plan. Unset, an instance given ``kvpolicy_plan_json``
+    writes it beside the plan as ``<plan file stem>.keys.json``."""
+    kvpolicy_layout_out: Path | None = None
+    """A file rank 0 writes, at start-up, the layout it planned (the ``ModelLayout`` of its
+    ``KVCacheConfig``), for ``kvpolicy validate`` / ``kvpolicy plan --layout``."""
+    kvpolicy_read_failure_ttl_s: float = Field(default=DEFAULT_READ_FAILURE_TTL_S, ge=0)
+    """Seconds a key whose read failed stays missing to lookups (``0`` turns this off)."""
+    kvpolicy_striped_piece_mib: float = Field(default=DEFAULT_PIECE_MIB, gt=0)
+    """MiB one rank stages per exchange of a striped load, at most."""
+    kvpolicy_striped_exchange: Literal["gloo", "nccl"] = "gloo"
+    """The collective a striped load's stripes travel over: ``gloo`` (host staging) or ``nccl``
+    (device buffers; not yet run on a GPU)."""
+
+    @field_validator("kvpolicy", mode="before")
+    @classmethod
+    def _policy_setting(cls, setting: object) -> object:
+        if setting is None or isinstance(setting, PolicySelection):
+            return setting
+        if isinstance(setting, Mapping):
+            return _selection_from_mapping(setting)
+        if isinstance(setting, (str, os.PathLike)):
+            return os.fspath(setting) or None
+        raise _problem(f"is a {type(setting).__name__}; {policy_usage()}")
+
+    @field_validator("kvpolicy_plan_json", "kvpolicy_keys_json", "kvpolicy_layout_out", mode="before")
+    @classmethod
+    def _path(cls, value: object) -> object:
+        if value is None or value == "":
+            return None
+        if not isinstance(value, (str, os.PathLike)):
+            raise _problem(f"must be a file path, got {value!r}")
+        return value
+
+    @field_validator("kvpolicy_read_failure_ttl_s", mode="before")
+    @classmethod
+    def _ttl(cls, value: object) -> object:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise _problem(f"must be a number of seconds >= 0 (0 turns it off), got {value!r}")
+        return float(value)
+
+    @field_validator("kvpolicy_striped_piece_mib", mode="before")
+    @classmethod
+    def _piece_mib(cls, value: object) -> object:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value * 2**20 < 1
+        ):
+            raise _problem(f"must be a number of MiB > 0 (default {DEFAULT_PIECE_MIB:g}), got {value!r}")
+        return float(value)
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    @classmethod
+    def parse(cls, extra_config: Mapping[str, Any]) -> KVPolicySettings:
+        """The settings in ``extra_config`` (vLLM's ``kv_connector_extra_config``); keys not starting
+        with ``kvpolicy`` are vLLM's and ignored. :class:`SettingsError` with every problem."""
+        ours = {key: value for key, value in extra_config.items() if str(key).startswith(KEY_PREFIX)}
+        known = tuple(cls.model_fields)
+        problems = [_unknown_key(str(key), known) for key in ours if key not in known]
+        settings = None
+        try:
+            settings = cls(**{key: value for key, value in ours.items() if key in known})
+        except ValidationError as error:
+            problems[:0] = [_located(entry) for entry in error.errors()]
+        if problems:
+            raise SettingsError(tuple(problems))
+        assert settings is not None
+        return settings
+
+    @property
+    def policy_name(self) -> str | None:
+        """The policy's shipped name or file path; None when no policy is selected."""
+        return self.kvpolicy.policy if isinstance(self.kvpolicy, PolicySelection) else self.kvpolicy
+
+    @property
+    def strict(self) -> bool | None:
+        """The override of the policy's ``strict``; None keeps the policy file's."""
+        return self.kvpolicy.strict if isinstance(self.kvpolicy, PolicySelection) else None
+
+    @property
+    def striped_piece_budget_bytes(self) -> int:
+        """``kvpolicy_striped_piece_mib`` in bytes."""
+        return int(self.kvpolicy_striped_piece_mib * 2**20)
+
+    def keys_json_path(self) -> Path | None:
+        """Where rank 0 writes the key contract: ``kvpolicy_keys_json``, else beside the plan file."""
+        if self.kvpolicy_keys_json is not None:
+            return self.kvpolicy_keys_json
+        plan = self.kvpolicy_plan_json
+        return None if plan is None else keys_path_beside(plan)
+
+    # --- writing ---------------------------------------------------------------------------------
+
+    def extra_config(self, upstream_extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """``kv_connector_extra_config``: the settings that differ from their defaults, then
+        ``upstream_extra`` (vLLM's Mooncake store connector's own keys)."""
+        upstream = dict(upstream_extra or {})
+        ours_there = sorted(key for key in upstream if str(key).startswith(KEY_PREFIX))
+        if ours_there:
+            raise ValueError(
+                f"upstream_extra holds kvpolicy's own keys ({', '.join(ours_there)}): set them on KVPolicySettings"
+            )
+        ours = self.model_dump(mode="json", exclude_defaults=True, exclude_none=True)
+        return {**ours, **upstream}
+
+    def kv_transfer_config(
+        self, *, role: str = "kv_both", upstream_extra: Mapping[str, Any] | None = None, **upstream_fields: Any
+    ) -> dict[str, Any]:
+        """vLLM's ``--kv-transfer-config`` running the connector with these settings; ``upstream_extra``
+        adds the Mooncake store connector's ``kv_connector_extra_config`` keys, ``upstream_fields``
+        other ``KVTransferConfig`` fields (e.g. ``kv_load_failure_policy``)."""
+        return {
+            "kv_connector": CONNECTOR_CLASS,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": role,
+            **upstream_fields,
+            EXTRA_CONFIG: self.extra_config(upstream_extra),
+        }
+
+
+def keys_path_beside(plan_path: Path) -> Path:
+    """Where the key contract goes without ``kvpolicy_keys_json``: ``<plan file stem>.keys.json`` beside
+    the plan (``plan.json`` -> ``plan.keys.json``), never the plan file itself."""
+    return plan_path.with_name(f"{plan_path.stem}.keys.json")
+
+
+def _open_to_vllm_keys(schema: dict[str, Any]) -> None:
+    """The document is all of ``kv_connector_extra_config``: vLLM's keys are allowed, a ``kvpolicy*``
+    key must be one of ours."""
+    schema["additionalProperties"] = True
+    schema["propertyNames"] = {"anyOf": [{"enum": list(schema["properties"])}, {"not": {"pattern": f"^{KEY_PREFIX}"}}]}
+
+
+def _unknown_key(key: str, known: tuple[str, ...]) -> str:
+    # A key with a suffix ("kvpolicy_x") resembles the bare "kvpolicy" more than it means it.
+    candidates = [name for name in known if "_" in name] if "_" in key else list(known)
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.7)
+    hint = f"did you mean '{close[0]}'?" if close else f"kvpolicy's keys are {', '.join(known)}"
+    return f"{EXTRA_CONFIG}.{key}: error: unknown key; {hint}"
+
+
+def _located(entry: Mapping[str, Any]) -> str:
+    where = ".".join(str(part) for part in (EXTRA_CONFIG, *entry["loc"]))
+    message = entry["msg"]
+    if entry["type"] != "kvpolicy_setting":
+        message = f"{message}, got {entry['input']!r}"
+    return f"{where}: error: {message}"

@@ -1,0 +1,249 @@
+"""The connector's ``kv_connector_extra_config`` keys: one model, parsed once, located errors, a schema,
+and the one builder of ``--kv-transfer-config``. Pure: no vLLM, torch or Mooncake."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from kvpolicy.loader import schemas_dir
+from kvpolicy.settings import (
+    DEFAULT_PIECE_MIB,
+    DEFAULT_READ_FAILURE_TTL_S,
+    KVPolicySettings,
+    PolicySelection,
+    SettingsError,
+    keys_path_beside,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def problems(extra_config: dict[str, object]) -> tuple[str, ...]:
+    with pytest.raises(SettingsError) as raised:
+        KVPolicySettings.parse(extra_config)
+    return raised.value.problems
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+
+def test_no_kvpolicy_key_gives_the_defaults() -> None:
+    settings = KVPolicySettings.parse({})
+    assert settings.kvpolicy_read_failure_ttl_s == DEFAULT_READ_FAILURE_TTL_S == 30.0
+    assert settings.striped_piece_budget_bytes == int(DEFAULT_PIECE_MIB * 2**20) == 256 * 2**20
+    assert settings.kvpolicy_striped_exchange == "gloo"
+    assert (settings.kvpolicy, settings.kvpolicy_plan_json, settings.kvpolicy_layout_out) == (None, None, None)
+
+
+def test_vllms_own_keys_pass_through_unread() -> None:
+    # Values kvpolicy would refuse for its own keys: they are not kvpolicy's to check.
+    settings = KVPolicySettings.parse({"cache_prefix": 3, "store_tp_size": "x", "kvpolicy": "default"})
+    assert settings.policy_name == "default"
+
+
+def test_each_key_sets_its_field() -> None:
+    settings = KVPolicySettings.parse({
+        "kvpolicy": {"policy": "no-dedup", "strict": True},
+        "kvpolicy_plan_json": "run/plan.json",
+        "kvpolicy_keys_json": "run/keys.json",
+        "kvpolicy_layout_out": "run/layout.yaml",
+        "kvpolicy_read_failure_ttl_s": 5,
+        "kvpolicy_striped_piece_mib": 0.5,
+        "kvpolicy_striped_exchange": "nccl",
+    })
+    assert (settings.policy_name, settings.strict) == ("no-dedup", True)
+    assert (settings.kvpolicy_plan_json, settings.keys_json_path()) == (Path("run/plan.json"), Path("run/keys.json"))
+    assert settings.kvpolicy_layout_out == Path("run/layout.yaml")
+    assert (settings.kvpolicy_read_failure_ttl_s, settings.striped_piece_budget_bytes) == (5.0, 2**19)
+    assert settings.kvpolicy_striped_exchange == "nccl"
+
+
+def test_a_ttl_of_zero_is_allowed_and_turns_it_off() -> None:
+    assert KVPolicySettings.parse({"kvpolicy_read_failure_ttl_s": 0}).kvpolicy_read_failure_ttl_s == 0.0
+
+
+def test_the_settings_are_frozen() -> None:
+    settings = KVPolicySettings.parse({})
+    with pytest.raises(ValueError, match="frozen"):
+        settings.kvpolicy_read_failure_ttl_s = 1.0  # type: ignore[misc]
+
+
+def test_an_empty_path_means_unset() -> None:
+    assert KVPolicySettings.parse({"kvpolicy_layout_out": ""}).kvpolicy_layout_out is None
+
+
+@pytest.mark.parametrize(
+    ("plan", "keys"),
+    [("run/plan.json", "run/plan.keys.json"), ("run/kvpolicy.plan.json", "run/kvpolicy.plan.keys.json"),
+     ("plan.keys.json", "plan.keys.keys.json"), ("plan", "plan.keys.json")],
+)
+def test_the_key_contract_goes_beside_the_plan_never_onto_it(plan: str, keys: str) -> None:
+    assert keys_path_beside(Path(plan)) == Path(keys)
+    assert KVPolicySettings.parse({"kvpolicy_plan_json": plan}).keys_json_path() == Path(keys)
+
+
+def test_no_plan_file_and_no_keys_file_writes_no_key_contract() -> None:
+    assert KVPolicySettings.parse({}).keys_json_path() is None
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [-0.5, "10", float("nan"), float("inf"), False, [10], None])
+def test_a_bad_ttl_is_refused_naming_the_key_and_what_to_write(value: object) -> None:
+    assert problems({"kvpolicy_read_failure_ttl_s": value}) == (
+        "kv_connector_extra_config.kvpolicy_read_failure_ttl_s: error: "
+        f"must be a number of seconds >= 0 (0 turns it off), got {value!r}",
+    )
+
+
+@pytest.mark.parametrize("value", [0, -1, 1e-9, "256", True, float("nan")])
+def test_a_bad_piece_size_is_refused_naming_the_key(value: object) -> None:
+    (problem,) = problems({"kvpolicy_striped_piece_mib": value})
+    assert problem.startswith("kv_connector_extra_config.kvpolicy_striped_piece_mib: error: must be a number of MiB > 0")
+
+
+def test_an_unknown_exchange_is_refused_with_the_allowed_ones() -> None:
+    assert problems({"kvpolicy_striped_exchange": "mpi"}) == (
+        "kv_connector_extra_config.kvpolicy_striped_exchange: error: Input should be 'gloo' or 'nccl', got 'mpi'",
+    )
+
+
+def test_a_path_that_is_not_a_string_is_refused() -> None:
+    assert problems({"kvpolicy_plan_json": 7}) == ("kv_connector_extra_config.kvpolicy_plan_json: error: must be a file path, got 7",)
+
+
+def test_a_misspelled_key_is_refused_with_the_key_it_resembles() -> None:
+    assert problems({"kvpolicy_read_failure_ttl": 5}) == (
+        "kv_connector_extra_config.kvpolicy_read_failure_ttl: error: unknown key; did you mean 'kvpolicy_read_failure_ttl_s'?",
+    )
+
+
+def test_an_unknown_key_like_none_of_ours_is_refused_with_the_list() -> None:
+    (problem,) = problems({"kvpolicy_x": 1})
+    assert problem.startswith("kv_connector_extra_config.kvpolicy_x: error: unknown key; kvpolicy's keys are kvpolicy, ")
+
+
+def test_every_problem_is_reported_at_once_one_line_each() -> None:
+    found = problems({
+        "kvpolicy": 3, "kvpolicy_read_failure_ttl_s": -1, "kvpolicy_striped_exchange": "mpi", "kvpolicy_plan_jsn": "p",
+    })
+    assert [line.split(": error: ")[0] for line in found] == [
+        "kv_connector_extra_config.kvpolicy",
+        "kv_connector_extra_config.kvpolicy_read_failure_ttl_s",
+        "kv_connector_extra_config.kvpolicy_striped_exchange",
+        "kv_connector_extra_config.kvpolicy_plan_jsn",
+    ]
+
+
+def test_a_settings_error_is_a_value_error_whose_text_is_its_lines() -> None:
+    with pytest.raises(ValueError) as raised:
+        KVPolicySettings.parse({"kvpolicy_striped_piece_mib": 0, "kvpolicy_striped_exchange": "mpi"})
+    assert str(raised.value).splitlines() == list(raised.value.problems)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"policy": "default", "strikt": True}, "unknown key 'strikt'; did you mean 'strict'?"),
+        ({"policy": "default", "strict": "yes"}, "'strict' must be true or false, got 'yes'"),
+        ({"strict": True}, "lacks 'policy'; set it to a shipped policy (default, no-dedup, vllm-compat)"),
+        (3, "is a int; set it to a shipped policy"),
+    ],
+)
+def test_a_malformed_policy_setting_is_refused_at_the_kvpolicy_key(setting: object, message: str) -> None:
+    (problem,) = problems({"kvpolicy": setting})
+    assert problem.startswith(f"kv_connector_extra_config.kvpolicy: error: {message}")
+
+
+# --- the schema ---------------------------------------------------------------------------------
+
+
+def connector_schema() -> dict[str, object]:
+    return json.loads((schemas_dir() / "connector.schema.json").read_text(encoding="utf-8"))
+
+
+def test_the_schema_accepts_our_keys_beside_vllms() -> None:
+    jsonschema.validate({"kvpolicy": {"policy": "default", "strict": True}, "kvpolicy_read_failure_ttl_s": 0,
+                         "cache_prefix": "a", "store_tp_size": 2}, connector_schema())
+
+
+@pytest.mark.parametrize(
+    "document",
+    [{"kvpolicy_plan_jsn": "p"}, {"kvpolicy_read_failure_ttl_s": -1}, {"kvpolicy_striped_exchange": "mpi"},
+     {"kvpolicy": {"policy": "default", "strikt": True}}],
+    ids=["misspelled-key", "negative-ttl", "unknown-exchange", "unknown-mapping-key"],
+)
+def test_the_schema_refuses_what_the_parser_refuses(document: dict[str, object]) -> None:
+    problems(document)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(document, connector_schema())
+
+
+def test_every_field_has_a_description_in_the_schema() -> None:
+    properties = connector_schema()["properties"]
+    assert isinstance(properties, dict)
+    assert set(properties) == set(KVPolicySettings.model_fields)
+    assert all(entry.get("description") for entry in properties.values())
+
+
+# --- the builder --------------------------------------------------------------------------------
+
+
+def test_the_builder_writes_the_connector_and_the_policy_only_when_nothing_else_is_set() -> None:
+    assert KVPolicySettings(kvpolicy="default").kv_transfer_config() == {
+        "kv_connector": "KVPolicyConnector",
+        "kv_connector_module_path": "kvpolicy.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvpolicy": "default"},
+    }
+
+
+def test_the_builder_writes_the_strict_override_as_the_mapping_form() -> None:
+    config = KVPolicySettings(kvpolicy=PolicySelection(policy="default", strict=True)).kv_transfer_config(role="kv_producer")
+    assert config["kv_role"] == "kv_producer"
+    assert config["kv_connector_extra_config"] == {"kvpolicy": {"policy": "default", "strict": True}}
+
+
+def test_the_builder_adds_upstream_keys_and_fields() -> None:
+    settings = KVPolicySettings(kvpolicy="default", kvpolicy_plan_json=Path("run/plan.json"), kvpolicy_read_failure_ttl_s=0)
+    config = settings.kv_transfer_config(upstream_extra={"cache_prefix": "a"}, kv_load_failure_policy="recompute")
+    assert config["kv_load_failure_policy"] == "recompute"
+    assert config["kv_connector_extra_config"] == {
+        "kvpolicy": "default", "kvpolicy_plan_json": "run/plan.json", "kvpolicy_read_failure_ttl_s": 0.0, "cache_prefix": "a",
+    }
+
+
+def test_what_the_builder_writes_parses_back_to_the_same_settings() -> None:
+    settings = KVPolicySettings(
+        kvpolicy=PolicySelection(policy="no-dedup", strict=False), kvpolicy_layout_out=Path("l.yaml"),
+        kvpolicy_striped_piece_mib=4, kvpolicy_striped_exchange="nccl",
+    )
+    extra = settings.kv_transfer_config(upstream_extra={"store_tp_size": 2})["kv_connector_extra_config"]
+    assert KVPolicySettings.parse(json.loads(json.dumps(extra))) == settings
+
+
+def test_the_builder_refuses_kvpolicy_keys_smuggled_in_as_upstream_keys() -> None:
+    with pytest.raises(ValueError, match="kvpolicy_plan_json"):
+        KVPolicySettings(kvpolicy="default").kv_transfer_config(upstream_extra={"kvpolicy_plan_json": "p"})
+
+
+def test_vllm_config_prints_what_the_builder_builds() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvpolicy.app.cli", "vllm-config", "--policy", "default", "--strict"],
+        capture_output=True, text=True, check=True, cwd=REPO,
+    )
+    expected = KVPolicySettings(kvpolicy=PolicySelection(policy="default", strict=True)).kv_transfer_config()
+    assert json.loads(result.stdout) == expected
+
+
+def test_the_settings_module_imports_neither_vllm_torch_nor_mooncake() -> None:
+    code = "import sys, kvpolicy.settings; print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'mooncake')))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert result.stdout.strip() == "[]"
