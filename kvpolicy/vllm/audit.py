@@ -30,7 +30,7 @@ The pure half (digests, verdicts, the per-instance :class:`~kvpolicy.audit.Audit
   Caches that keep scales inside their blocks (``fp8_per_token_head``, ``fp8_ds_mla``, the
   ``int8``/``int4`` per-token-head, NVFP4 and packed formats) or hold any other codes are compared
   by exact digests only, and a mismatch's error says so. Byte codes are never compared as numbers.
-* :class:`LookupGate`: before an instance has verified a replicated group itself, a lookup may use
+* :class:`LookupGate` (from :mod:`kvpolicy.runtime.markers`, as the markers below): before an instance has verified a replicated group itself, a lookup may use
   the group's shared namespace only when another instance running the same plan left an
   :func:`~kvpolicy.audit.agreement_key` there. Without it, the first request of a fresh instance
   could load objects a trusting (``audit: off``) instance wrote under a wrong rule before this
@@ -66,7 +66,6 @@ has a group to audit — a decision taken from the plan alone — and whose unio
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -74,24 +73,15 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     MooncakeStoreConnectorMetadata,
 )
-from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec, KVQuantMode, UniformTypeKVCacheSpecs
 
 from kvpolicy.audit import (
     DEFAULT_COMPARISON,
-    DEMOTION_MESSAGE_LIMIT,
-    UNTRUSTED,
     AuditState,
-    AuditStatus,
-    Digest,
     StepOutcome,
     ValueComparison,
-    agreement_key,
-    vouching_replicas,
-    demotion_key,
-    distances_to_reference,
     value_comparison,
 )
 from kvpolicy.device.blocks import (
@@ -101,10 +91,17 @@ from kvpolicy.device.blocks import (
     local_samples,
     tensor_distance,
 )
-from kvpolicy.plan import Plan
-
-# Under "vllm." so records reach vLLM's own handler (it configures only the "vllm" logger tree).
-logger = init_logger(f"vllm.{__name__}")
+from kvpolicy.runtime import audit_step
+from kvpolicy.runtime.audit_step import Report, Samples, decode_report, decode_samples, encode_report
+from kvpolicy.runtime.markers import (
+    LookupGate,
+    agree_on_demotions,
+    read_demotions,
+    revoke_agreements,
+    write_agreements,
+    write_demotions,
+)
+from kvpolicy.vllm import internals
 
 __all__ = [
     "AUDIT_BLOCKS_PER_REQUEST",
@@ -147,12 +144,6 @@ or ``mismatch``. vLLM reduces it to ``kvpolicy_audit_count`` (audited steps), ``
 ``…_p90_ms`` (cost per step) and ``…_failed_keys``; Prometheus gets it as one more ``operation``."""
 AUDIT_DEMOTED_OPERATION = "kvpolicy_audit_demoted"
 """Recorded once per demoted group: ``kvpolicy_audit_demoted_count`` counts the demoted groups."""
-
-Report = dict[int, tuple[str, bool]] | None
-"""What one rank sends in the first collective: group → (digest hex, all zero); None when it failed."""
-Samples = dict[int, bytes] | None
-"""What one rank sends in the second collective: group → float32 values; None when it failed."""
-
 
 # --- which blocks ----------------------------------------------------------------------------------
 
@@ -233,19 +224,16 @@ def _request_blocks(request: Any, coord: Any, groups: tuple[int, ...]) -> dict[i
 def fp8_element_type(spec: KVCacheSpec, cache_dtype: str) -> torch.dtype | None:
     """The fp8 type vLLM reads a layer's ``uint8`` KV cache as, or None (not a plain fp8 cache).
 
-    vLLM's own function, ``_get_fp8_dtype`` of its decode-bench connector: the one place in vLLM
-    0.32 and 0.33 that answers this from a layer's spec and the cache dtype setting, as the attention
-    backends do — ``fp8``/``fp8_e4m3`` → ``current_platform.fp8_dtype()`` (``float8_e4m3fn``;
-    ``float8_e4m3fnuz`` on ROCm GPUs that use it), ``fp8_e5m2`` → ``float8_e5m2``, and None for
-    layouts with scales or other metadata in the block (``fp8_ds_mla``, per-token-head formats).
-    It is private to vLLM, so ``tests/vllm/test_audit_cache_dtypes.py`` pins its answers under both
-    releases; should a release drop it, every ``uint8`` cache is compared by exact digests.
+    vLLM's own function, ``_get_fp8_dtype`` of its decode-bench connector
+    (:func:`kvpolicy.vllm.internals.fp8_dtype`): the one place in vLLM 0.32 and 0.33 that answers this
+    from a layer's spec and the cache dtype setting, as the attention backends do — ``fp8``/``fp8_e4m3``
+    → ``current_platform.fp8_dtype()`` (``float8_e4m3fn``; ``float8_e4m3fnuz`` on ROCm GPUs that use
+    it), ``fp8_e5m2`` → ``float8_e5m2``, and None for layouts with scales or other metadata in the
+    block (``fp8_ds_mla``, per-token-head formats). ``tests/vllm/test_audit_cache_dtypes.py`` pins its
+    answers under both releases; should a release drop it, every ``uint8`` cache is compared by exact
+    digests.
     """
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import _get_fp8_dtype
-    except ImportError:
-        return None
-    return _get_fp8_dtype(spec, cache_dtype)
+    return internals.fp8_dtype(spec, cache_dtype)
 
 
 def _layer_comparison(spec: KVCacheSpec, cache_dtype: str) -> ValueComparison:
@@ -283,30 +271,6 @@ def value_comparisons(cache_dtype: str, specs: Sequence[KVCacheSpec]) -> dict[in
 # --- reading them ----------------------------------------------------------------------------------
 
 
-def decode_samples(samples: Samples) -> dict[int, array] | None:
-    if samples is None:
-        return None
-    decoded: dict[int, array] = {}
-    for group, data in samples.items():
-        values = array("f")
-        values.frombytes(data)
-        decoded[int(group)] = values
-    return decoded
-
-
-def encode_report(digests: Mapping[int, Digest] | None) -> Report:
-    """A rank's digests as plain, picklable data for the collective."""
-    if digests is None:
-        return None
-    return {group: (digest.value, digest.all_zero) for group, digest in digests.items()}
-
-
-def decode_report(report: Report) -> dict[int, Digest] | None:
-    if report is None:
-        return None
-    return {int(group): Digest(str(value), bool(all_zero)) for group, (value, all_zero) in report.items()}
-
-
 def gather_over_tp(payload: Any) -> list[Any]:
     """Every TP rank's payload, indexed by TP rank: one ``all_gather_object`` over the TP group's
     CPU (gloo) group. Every rank of the group must call it, in the same step."""
@@ -325,24 +289,10 @@ def conclude_step(
     *,
     comparisons: Mapping[int, ValueComparison] | None = None,
 ) -> StepOutcome:
-    """One audited step, given how to collect every rank's digests and, if needed, samples.
-
-    ``collect_reports()`` returns every TP rank's :data:`Report` (the connector: one
-    :func:`gather_over_tp`); when some replica set's digests differ, ``collect_samples(groups)``
-    returns every rank's :data:`Samples` for those groups (a second gather), so that rounding
-    differences (:func:`kvpolicy.audit.rounding_tolerance`) are not mistaken for a wrong rule.
-    ``comparisons`` (:func:`value_comparisons`) gives each group's tolerance; groups compared by
-    exact digests only are never sampled. Whether the second gather happens is decided from the
-    first one's result and the configuration, which every rank holds identically. Raises
-    :class:`~kvpolicy.audit.ReplicationAuditError` under ``enforce``.
-    """
-    reports = [decode_report(report) for report in collect_reports()]
-    need = state.groups_needing_values(reports, comparisons)
-    distances = None
-    if need:
-        samples = [decode_samples(sample) for sample in collect_samples(need)]
-        distances = distances_to_reference(state.plan, samples, need, distance=tensor_distance)
-    return state.conclude(reports, distances=distances, comparisons=comparisons)
+    """:func:`kvpolicy.runtime.audit_step.conclude_step` with sampled values compared on tensors."""
+    return audit_step.conclude_step(
+        state, collect_reports, collect_samples, comparisons=comparisons, distance=tensor_distance
+    )
 
 
 def record_stats(worker: Any, blocks: Mapping[int, Sequence[int]], seconds: float, *, demoted: int) -> None:
@@ -352,7 +302,8 @@ def record_stats(worker: Any, blocks: Mapping[int, Sequence[int]], seconds: floa
         for group, block_ids in blocks.items()
         for block_id in block_ids
     )
-    worker._record_kv_connector_operation(
+    internals.record_operation(
+        worker,
         AUDIT_STATS_OPERATION,
         seconds,
         sum(len(block_ids) for block_ids in blocks.values()),
@@ -361,7 +312,7 @@ def record_stats(worker: Any, blocks: Mapping[int, Sequence[int]], seconds: floa
         num_failed_keys=demoted,
     )
     for _ in range(demoted):
-        worker._record_kv_connector_operation(AUDIT_DEMOTED_OPERATION, 0.0, 1)
+        internals.record_operation(worker, AUDIT_DEMOTED_OPERATION, 0.0, 1)
 
 
 # --- the fallback ----------------------------------------------------------------------------------
@@ -375,141 +326,3 @@ def drain(worker: Any) -> None:
 
 
 # --- agreement markers and the lookup gate ---------------------------------------------------------
-
-
-def write_agreements(store: Any, plan: Plan, groups: Iterable[int], *, pcp_rank: int = 0, pp_rank: int = 0) -> int:
-    """Put :func:`agreement_key` for ``groups`` (one tiny object each); returns how many were new.
-
-    ``put`` keeps an existing object, so several instances vouching for one plan is harmless.
-    """
-    written = 0
-    for group in groups:
-        key = agreement_key(plan, group, pcp_rank=pcp_rank, pp_rank=pp_rank)
-        written += store.put(key, f"agreed {plan.fingerprint} group {group}".encode()) == 0
-    return written
-
-
-def revoke_agreements(store: Any, plan: Plan, groups: Iterable[int], *, pcp_rank: int = 0, pp_rank: int = 0) -> None:
-    """Remove agreement markers this plan's groups can no longer vouch for (best effort)."""
-    for group in groups:
-        store.remove(agreement_key(plan, group, pcp_rank=pcp_rank, pp_rank=pp_rank), True)
-
-
-class LookupGate:
-    """Keeps lookups off shared namespaces no audit has verified.
-
-    A lookup may proceed when every group with factor > 1 under an audited policy is verified for
-    every (pcp, pp) namespace the lookup reads: by this instance's own audit (its own namespace)
-    or by an :func:`agreement_key` another instance left. Found markers are remembered per plan
-    fingerprint. The gate only reads the :class:`AuditState`; it never changes what is audited.
-    """
-
-    def __init__(self, *, pcp_rank: int = 0, pp_rank: int = 0) -> None:
-        self._own = (pcp_rank, pp_rank)
-        self._vouched: set[str] = set()
-        self.closed_lookups = 0
-        """Lookups refused so far."""
-
-    def required(self, state: AuditState) -> list[tuple[str, ...]]:
-        """What a lookup still needs under ``state``'s current plan: per (group, pcp, pp) namespace not
-        yet vouched for, the agreement markers any one of which would vouch for it (replica sets of
-        the group's factor or a multiple of it, :func:`~kvpolicy.audit.vouching_replicas`)."""
-        plan = state.plan
-        topology = plan.topology
-        needed: list[tuple[str, ...]] = []
-        for group, status in state.statuses.items():
-            if status not in (*UNTRUSTED, AuditStatus.AGREED):
-                continue  # factor 1, demoted, or a policy that trusts itself (audit: off)
-            for pcp_rank in range(topology.pcp_size):
-                for pp_rank in range(topology.pp_size):
-                    if status is AuditStatus.AGREED and (pcp_rank, pp_rank) == self._own:
-                        continue  # this instance's own audit verified it
-                    candidates = tuple(
-                        agreement_key(plan, group, pcp_rank=pcp_rank, pp_rank=pp_rank, replicas=replicas)
-                        for replicas in vouching_replicas(plan.groups[group].factor)
-                    )
-                    if candidates[0] not in self._vouched:
-                        needed.append(candidates)
-        return needed
-
-    def open(self, state: AuditState, store: Any) -> bool:
-        """Whether a lookup may run now; checks the store for the markers it still needs."""
-        needed = self.required(state)
-        if needed:
-            keys = [key for candidates in needed for key in candidates]
-            present = dict(zip(keys, store.batch_is_exist(keys), strict=True))
-            vouched = [candidates for candidates in needed if any(present[key] == 1 for key in candidates)]
-            self._vouched.update(candidates[0] for candidates in vouched)
-            if len(vouched) < len(needed):
-                self.closed_lookups += 1
-                return False
-        return True
-
-
-# --- published demotions --------------------------------------------------------------------------
-
-
-def write_demotions(
-    store: Any, initial_plan: Plan, demotions: Mapping[int, str], *, pcp_rank: int = 0, pp_rank: int = 0
-) -> int:
-    """Put :func:`demotion_key` of ``initial_plan`` for each demoted group, its :func:`describe` line
-    (cut to :data:`DEMOTION_MESSAGE_LIMIT` characters) as the value; returns how many puts succeeded.
-
-    ``put`` keeps an existing object, so a second instance demoting the same group changes nothing.
-    """
-    written = 0
-    for group, message in demotions.items():
-        key = demotion_key(initial_plan, group, pcp_rank=pcp_rank, pp_rank=pp_rank)
-        written += store.put(key, message[:DEMOTION_MESSAGE_LIMIT].encode()) == 0
-    return written
-
-
-def read_demotions(
-    store: Any, initial_plan: Plan, groups: Iterable[int], *, pcp_rank: int = 0, pp_rank: int = 0
-) -> dict[int, str]:
-    """The demotions another instance of ``initial_plan`` published for ``groups``: group → its
-    :func:`describe` line. A store error counts as nothing found (logged): the instance then audits
-    the groups itself, as one that came first would."""
-    wanted = list(groups)
-    if not wanted:
-        return {}
-    keys = [demotion_key(initial_plan, group, pcp_rank=pcp_rank, pp_rank=pp_rank) for group in wanted]
-    try:
-        present = store.batch_is_exist(keys)
-        if any(exists < 0 for exists in present):
-            logger.warning(
-                "kvpolicy audit: the store could not tell whether plan %s's groups %s were demoted elsewhere "
-                "(codes %s); auditing them here",
-                initial_plan.fingerprint,
-                ",".join(str(group) for group, exists in zip(wanted, present, strict=True) if exists < 0),
-                ",".join(str(exists) for exists in present if exists < 0),
-            )
-        found: dict[int, str] = {}
-        for group, key, exists in zip(wanted, keys, present, strict=True):
-            if exists != 1:
-                continue
-            value = store.get(key)
-            # The marker's existence is the claim; its text only says why (empty: evicted since).
-            message = bytes(value).decode("utf-8", "replace")[:DEMOTION_MESSAGE_LIMIT] if value else ""
-            found[group] = message or f"group {group} was demoted (the marker's message could not be read)"
-        return found
-    except Exception:
-        logger.exception(
-            "kvpolicy audit: could not read the published demotions of plan %s; auditing as if there were none",
-            initial_plan.fingerprint,
-        )
-        return {}
-
-
-def agree_on_demotions(
-    found: Mapping[int, str], *, gather: Callable[[Any], Sequence[Any]] | None = None
-) -> dict[int, str]:
-    """The union of what every TP rank's :func:`read_demotions` found, identical on every rank
-    (a group's message is the lowest rank's). ``gather`` defaults to :func:`gather_over_tp`: one
-    collective, which every TP rank must make, in the same place."""
-    gathered = (gather or gather_over_tp)(dict(found))
-    agreed: dict[int, str] = {}
-    for rank_found in gathered:
-        for group, message in (rank_found or {}).items():
-            agreed.setdefault(int(group), str(message))
-    return dict(sorted(agreed.items()))

@@ -6,14 +6,12 @@ Configure it with::
      "kv_role": "kv_both", "kv_connector_extra_config": {"kvpolicy": "default"}}
 
 ``kvpolicy`` is a shipped policy name, a policy file path, or ``{"policy": <name or path>,
-"strict": <bool>}``. The policy is loaded and validated first, in both roles, so a bad policy stops
+"strict": <bool>}``; the other ``kvpolicy*`` keys are :class:`kvpolicy.settings.KVPolicySettings`. The policy is loaded and validated first, in both roles, so a bad policy stops
 start-up with the validator's located messages before any store connection is made.
 """
 
 from __future__ import annotations
 
-import difflib
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,26 +34,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 
 from kvpolicy.diagnostics import Diagnostic, DocumentError  # noqa: E402
-from kvpolicy.loader import load_policy, shipped_policy_names  # noqa: E402
+from kvpolicy.loader import load_policy  # noqa: E402
 from kvpolicy.models import Policy  # noqa: E402
 from kvpolicy.plan import Plan  # noqa: E402
+from kvpolicy.settings import EXTRA_CONFIG, KVPolicySettings, SettingsError, policy_usage  # noqa: E402
 from kvpolicy.vllm.metrics import KVPolicyConnectorStats, KVPolicyPromMetrics  # noqa: E402
-from kvpolicy.vllm.read_failures import ttl_from_extra_config  # noqa: E402
 from kvpolicy.vllm.worker import KVPolicyStoreWorker  # noqa: E402
 
-__all__ = ["POLICY_KEY", "KVPolicyConfigError", "KVPolicyConnector", "resolve_policy"]
+__all__ = ["POLICY_KEY", "KVPolicyConfigError", "KVPolicyConnector", "parse_settings", "resolve_policy"]
 
 POLICY_KEY = "kvpolicy"
 """The ``kv_connector_extra_config`` key that selects the policy."""
 
-_MAPPING_KEYS = ("policy", "strict")
-
 
 class KVPolicyConfigError(ValueError):
-    """``kv_connector_extra_config`` does not name a usable policy.
+    """``kv_connector_extra_config`` does not name a usable policy or holds bad kvpolicy settings.
 
-    The message is the validator's text (``path:line:col: error: ...``, one line per problem) or,
-    for a malformed setting, one sentence on what to write instead.
+    The message is the validator's text (``path:line:col: error: ...``, one line per problem) or one
+    located line per bad setting (``kv_connector_extra_config.<key>: error: ...``).
     """
 
     def __init__(self, message: str, diagnostics: tuple[Diagnostic, ...] = ()) -> None:
@@ -63,48 +59,28 @@ class KVPolicyConfigError(ValueError):
         self.diagnostics = diagnostics
 
 
-def _usage() -> str:
-    return (
-        f"set kv_connector_extra_config['{POLICY_KEY}'] to a shipped policy ({', '.join(shipped_policy_names())}), "
-        "a policy file path, or {'policy': <name or path>, 'strict': <true|false>}"
-    )
+def parse_settings(extra_config: Mapping[str, Any]) -> KVPolicySettings:
+    """The connector's settings in ``extra_config``; :class:`KVPolicyConfigError` with every problem."""
+    try:
+        return KVPolicySettings.parse(extra_config)
+    except SettingsError as error:
+        raise KVPolicyConfigError(str(error)) from None
 
 
-def _from_mapping(setting: Mapping[str, Any]) -> tuple[str, bool | None]:
-    unknown = [key for key in setting if key not in _MAPPING_KEYS]
-    if unknown:
-        close = difflib.get_close_matches(str(unknown[0]), _MAPPING_KEYS, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else f"; allowed: {', '.join(_MAPPING_KEYS)}"
-        raise KVPolicyConfigError(f"kv_connector_extra_config['{POLICY_KEY}']: unknown key '{unknown[0]}'{hint}")
-    name = setting.get("policy")
-    if not isinstance(name, (str, os.PathLike)) or not os.fspath(name):
-        raise KVPolicyConfigError(f"kv_connector_extra_config['{POLICY_KEY}'] lacks 'policy'; {_usage()}")
-    strict = setting.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise KVPolicyConfigError(
-            f"kv_connector_extra_config['{POLICY_KEY}']['strict'] must be true or false, got {strict!r}"
-        )
-    return os.fspath(name), strict
-
-
-def resolve_policy(extra_config: Mapping[str, Any]) -> Policy:
-    """The policy ``extra_config`` selects, loaded and validated; raise :class:`KVPolicyConfigError`."""
-    setting = extra_config.get(POLICY_KEY)
-    if isinstance(setting, Mapping):
-        name, strict = _from_mapping(setting)
-    elif isinstance(setting, (str, os.PathLike)) and os.fspath(setting):
-        name, strict = os.fspath(setting), None
-    elif setting is None or setting == "":
-        raise KVPolicyConfigError(f"no policy selected; {_usage()}")
-    else:
-        raise KVPolicyConfigError(
-            f"kv_connector_extra_config['{POLICY_KEY}'] is a {type(setting).__name__}; {_usage()}"
-        )
+def resolve_policy(settings: KVPolicySettings | Mapping[str, Any]) -> Policy:
+    """The policy ``settings`` (or a ``kv_connector_extra_config`` holding them) selects, loaded and
+    validated; raise :class:`KVPolicyConfigError`."""
+    if not isinstance(settings, KVPolicySettings):
+        settings = parse_settings(settings)
+    name = settings.policy_name
+    if name is None:
+        raise KVPolicyConfigError(f"{EXTRA_CONFIG}.{POLICY_KEY}: error: no policy selected; {policy_usage()}")
     try:
         policy = load_policy(name)
     except DocumentError as error:
         # No chained traceback: the located messages are the whole story.
         raise KVPolicyConfigError(str(error), error.diagnostics) from None
+    strict = settings.strict
     if strict is None or strict == policy.strict:
         return policy
     origins = tuple(policy.rule_origin(index) for index in range(len(policy.rules)))
@@ -118,11 +94,9 @@ class KVPolicyConnector(MooncakeStoreConnector, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         if vllm_config.kv_transfer_config is None:
             raise KVPolicyConfigError("KVPolicyConnector needs a kv_transfer_config")
-        self.policy: Policy = resolve_policy(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        try:
-            ttl_from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        except ValueError as error:
-            raise KVPolicyConfigError(str(error)) from None
+        # Parsed once, here, in both roles: a bad setting stops start-up before any store connection.
+        self.settings: KVPolicySettings = parse_settings(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self.policy: Policy = resolve_policy(self.settings)
         if role == KVConnectorRole.SCHEDULER:
             # The scheduler side needs no plan: lookups run on worker rank 0.
             super().__init__(vllm_config, role, kv_cache_config)
@@ -151,7 +125,9 @@ class KVPolicyConnector(MooncakeStoreConnector, SupportsHMA):
         self._kv_cache_config = kv_cache_config
         self._kv_cache_events = None
         self.connector_scheduler = None
-        self.connector_worker = KVPolicyStoreWorker(vllm_config, kv_cache_config, policy=self.policy)
+        self.connector_worker = KVPolicyStoreWorker(
+            vllm_config, kv_cache_config, policy=self.policy, settings=self.settings
+        )
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

@@ -31,6 +31,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager, SlidingWindowManager
 
+from kvpolicy.vllm import internals
 from kvpolicy.vllm.read_failures import ReadFailures
 
 logger = init_logger(f"vllm.{__name__}")
@@ -279,11 +280,12 @@ def lookup(
         try:
             results = worker.store.batch_is_exist(keys)
         except Exception as error:
-            worker._record_kv_connector_operation(
+            internals.record_operation(
+                worker,
                 "lookup_exists", time.perf_counter() - started, len(keys), status="error", num_failed_keys=len(keys)
             )
             raise _ProbeFailed(error) from error
-        worker._record_kv_connector_operation("lookup_exists", time.perf_counter() - started, len(keys))
+        internals.record_operation(worker, "lookup_exists", time.perf_counter() - started, len(keys))
         if read_failures is None:
             return results
         masked_before = read_failures.masked
@@ -299,7 +301,7 @@ def lookup(
             if usable_length <= 0:
                 return MooncakeLookupResult(0), pool.probes
             _, hit_length = coord.find_longest_cache_hit(block_hashes, usable_length, pool)
-        boundaries = worker._tail_key_boundaries(block_hashes, hit_length, pool)
+        boundaries = internals.tail_key_boundaries(worker, block_hashes, hit_length, pool)
     except _ProbeFailed as error:
         # As vLLM's lookup: a store that cannot answer is a miss. Anything else is a bug, and raises.
         logger.error("Remote connection failed in lookup: %s", error.__cause__)
@@ -364,7 +366,7 @@ def search_reads(worker: Any, num_tokens: int, block_hashes: Sequence[BlockHash]
             if usable_length > 0:
                 _, hit_length = coord.find_longest_cache_hit(block_hashes, usable_length, recorder)
         if hit_length > 0:
-            worker._tail_key_boundaries(block_hashes, hit_length, recorder)
+            internals.tail_key_boundaries(worker, block_hashes, hit_length, recorder)
     read: dict[int, int] = dict.fromkeys(candidates, 0)
     for group, _ in recorder.read:
         read[group] += 1

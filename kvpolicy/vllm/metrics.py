@@ -13,7 +13,6 @@ exported as one ``vllm:kvpolicy_group_info`` series per group.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,15 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import 
 
 from kvpolicy.models import Schedule
 from kvpolicy.plan import Plan
-
-GROUP_COUNTERS = (
-    "objects_written",
-    "bytes_written",
-    "undeduplicated_objects",
-    "undeduplicated_bytes",
-    "puts_skipped_existing",
-)
-"""Per-group counters a worker keeps, in the order of :data:`METRICS`."""
+from kvpolicy.runtime.tally import GROUP_COUNTERS, Tally, empty_tally, plan_info
 
 METRICS: dict[str, str] = {
     "vllm:kvpolicy_group_info": "One series per KV-cache group of the plan running (value 1): group, name, spec, "
@@ -55,74 +46,6 @@ METRICS: dict[str, str] = {
     "vllm:kvpolicy_lookups_gated_total": "Lookups answered as a miss because the audit gate was closed.",
 }
 """Every series kvpolicy adds to vLLM's ``/metrics``, with its help text."""
-
-
-def _empty() -> dict[str, Any]:
-    return {"groups": {}, "audit": {}, "demotions": {}, "lookups_gated": 0, "plan": None}
-
-
-class Tally:
-    """One worker's kvpolicy counters since they were last drained; safe to update from vLLM's send
-    thread and read from the model runner's thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._data = _empty()
-        self._dirty = False
-
-    def _group(self, group: int) -> dict[str, int]:
-        return self._data["groups"].setdefault(str(group), dict.fromkeys(GROUP_COUNTERS, 0))
-
-    def add(self, group: int, **counts: int) -> None:
-        with self._lock:
-            entry = self._group(group)
-            for name, value in counts.items():
-                entry[name] += value
-            self._dirty = True
-
-    def audit_step(self, *, demoted: Sequence[int]) -> None:
-        with self._lock:
-            outcome = "mismatch" if demoted else "agreed"
-            self._data["audit"][outcome] = self._data["audit"].get(outcome, 0) + 1
-            for group in demoted:
-                key = str(group)
-                self._data["demotions"][key] = self._data["demotions"].get(key, 0) + 1
-            self._dirty = True
-
-    def lookup_gated(self) -> None:
-        with self._lock:
-            self._data["lookups_gated"] += 1
-            self._dirty = True
-
-    def plan(self, plan: Plan) -> None:
-        """Publish ``plan`` (rank 0): the info series follow it from the next stats on."""
-        with self._lock:
-            self._data["plan"] = plan_info(plan)
-            self._dirty = True
-
-    def drain(self) -> dict[str, Any] | None:
-        with self._lock:
-            if not self._dirty:
-                return None
-            data, self._data, self._dirty = self._data, _empty(), False
-            return data
-
-
-def plan_info(plan: Plan) -> list[dict[str, str]]:
-    """The labels of each group's ``vllm:kvpolicy_group_info`` series."""
-    return [
-        {
-            "group": str(group.index),
-            "name": group.name,
-            "spec": "+".join(group.spec_types),
-            "rule": ", ".join(group.rules),
-            "factor": str(group.factor),
-            "shards": str(group.shards),
-            "policy": plan.policy,
-            "fingerprint": plan.fingerprint,
-        }
-        for group in plan.groups
-    ]
 
 
 def dedup_multiplier(plan: Plan, group: int) -> int:
@@ -194,12 +117,12 @@ class KVPolicyConnectorStats(KVConnectorStats):
         if not self.data:
             self.reset()
         self.data.setdefault("mooncake", {})
-        kvpolicy = self.data.setdefault("kvpolicy", _empty())
-        for key, value in _empty().items():
+        kvpolicy = self.data.setdefault("kvpolicy", empty_tally())
+        for key, value in empty_tally().items():
             kvpolicy.setdefault(key, value)
 
     def reset(self) -> None:
-        self.data = {"mooncake": {}, "kvpolicy": _empty()}
+        self.data = {"mooncake": {}, "kvpolicy": empty_tally()}
 
     def is_empty(self) -> bool:
         kvpolicy = self.data["kvpolicy"]
@@ -208,7 +131,7 @@ class KVPolicyConnectorStats(KVConnectorStats):
         )
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        if other.is_empty():
+        if other.isempty_tally():
             return self
         data = other.data if isinstance(other, KVPolicyConnectorStats) else {"mooncake": other.data}
         for operation, records in data.get("mooncake", {}).items():

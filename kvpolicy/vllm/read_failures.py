@@ -1,127 +1,14 @@
-"""Chunks whose load just failed on this rank, which the next lookups report missing.
-
-When a host holding store segments dies, the Mooncake master keeps listing its objects until the
-host's lease lapses (the master's ``client_ttl``, 10 s by default). Under ``kv_load_failure_policy:
-recompute`` vLLM then reschedules a request whose load failed, looks it up again, is told the same
-objects exist, and fails to read them again: one request was seen to go round 11 times in 11 s.
-:class:`ReadFailures` remembers the keys a load of this rank failed to read, for ``ttl_s`` seconds,
-and the lookup reports them missing, so the next lookup stops short of them and vLLM computes those
-blocks at once. Reporting a stored chunk missing costs a recompute at most; it never loads a byte.
-
-Only TP rank 0 answers lookups, so what it knows is its own failed reads: every key of a replicated
-group (all ranks read the same objects), and its own shard of a sharded one. A read that failed only
-on another rank still goes round until the master forgets the object.
-"""
+"""Read-failure memory now lives in the vLLM-free runtime (:mod:`kvpolicy.runtime.read_failures`);
+these names stay importable from here for the adapter's callers."""
 
 from __future__ import annotations
 
-import math
-import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from kvpolicy.runtime.read_failures import (
+    DEFAULT_LIMIT,
+    DEFAULT_TTL_S,
+    READ_FAILURE_TTL_KEY,
+    ReadFailures,
+    RecordingReadStore,
+)
 
-__all__ = ["DEFAULT_TTL_S", "READ_FAILURE_TTL_KEY", "ReadFailures", "RecordingReadStore", "ttl_from_extra_config"]
-
-READ_FAILURE_TTL_KEY = "kvpolicy_read_failure_ttl_s"
-"""``kv_connector_extra_config`` key: seconds a key whose read failed stays missing to lookups
-(``0`` turns this off)."""
-DEFAULT_TTL_S = 30.0
-"""Three times Mooncake's default ``client_ttl``: past the window in which the master still lists a
-dead host's objects."""
-DEFAULT_LIMIT = 65_536
-"""Keys remembered at most (the oldest are forgotten first): bounded memory whatever fails."""
-
-
-def ttl_from_extra_config(extra_config: Mapping[str, Any]) -> float:
-    """The read-failure TTL ``extra_config`` sets (default :data:`DEFAULT_TTL_S`); raise ``ValueError``
-    with one sentence naming the key and what to write for anything but a finite number >= 0."""
-    value = extra_config.get(READ_FAILURE_TTL_KEY, DEFAULT_TTL_S)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(
-            f"kv_connector_extra_config['{READ_FAILURE_TTL_KEY}'] must be a number of seconds >= 0"
-            f" (0 turns it off), got {value!r}"
-        )
-    return float(value)
-
-
-class ReadFailures:
-    """Keys whose read failed in the last ``ttl_s`` seconds (thread-safe: receive threads record,
-    the lookup server masks)."""
-
-    def __init__(
-        self, ttl_s: float = DEFAULT_TTL_S, *, limit: int = DEFAULT_LIMIT, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.ttl_s = ttl_s
-        self._limit = limit
-        self._clock = clock
-        self._failed: OrderedDict[str, float] = OrderedDict()
-        self._lock = threading.Lock()
-        self.masked = 0
-        """Keys lookups were told are missing because their read had failed, so far."""
-
-    def record(self, keys: Iterable[str]) -> None:
-        """Remember that reading ``keys`` failed just now."""
-        if self.ttl_s <= 0:
-            return
-        now = self._clock()
-        with self._lock:
-            for key in keys:
-                self._failed[key] = now
-                self._failed.move_to_end(key)
-            while len(self._failed) > self._limit:
-                self._failed.popitem(last=False)
-
-    def mask(self, keys: Sequence[str], exists: Sequence[int]) -> list[int]:
-        """``exists`` (``batch_is_exist`` codes for ``keys``) with every key whose read failed within
-        ``ttl_s`` reported missing (0)."""
-        answers = list(exists)
-        if not self._failed:
-            return answers
-        with self._lock:
-            self._forget_expired()
-            hidden = [index for index, key in enumerate(keys) if answers[index] == 1 and key in self._failed]
-            self.masked += len(hidden)
-        for index in hidden:
-            answers[index] = 0
-        return answers
-
-    def _forget_expired(self) -> None:
-        oldest_kept = self._clock() - self.ttl_s
-        while self._failed:
-            key, when = next(iter(self._failed.items()))
-            if when > oldest_kept:
-                return
-            del self._failed[key]
-
-    def __len__(self) -> int:
-        with self._lock:
-            self._forget_expired()
-            return len(self._failed)
-
-
-class RecordingReadStore:
-    """A receive thread's store client that records in ``failures`` every key a get did not read
-    (a negative code, or every key of a get that raised); everything else passes through."""
-
-    def __init__(self, store: Any, failures: ReadFailures) -> None:
-        self._store = store
-        self._failures = failures
-
-    @property
-    def inner(self) -> Any:
-        """The client this wraps."""
-        return self._store
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-    def batch_get_into_multi_buffers(self, keys: list[str], *args: Any) -> Any:
-        try:
-            results = self._store.batch_get_into_multi_buffers(keys, *args)
-        except Exception:
-            self._failures.record(keys)
-            raise
-        self._failures.record(key for key, code in zip(keys, results, strict=False) if int(code) < 0)
-        return results
+__all__ = ["DEFAULT_LIMIT", "DEFAULT_TTL_S", "READ_FAILURE_TTL_KEY", "ReadFailures", "RecordingReadStore"]

@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import K
 from vllm.logger import init_logger
 
 from kvpolicy.keys import split_chunk_key
+from kvpolicy.vllm import internals
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -149,7 +150,7 @@ class MergedSaveSendingThread(KVCacheStoreSendingThread):
         Its ``store`` becomes the riding view of the store it had."""
         if not isinstance(thread, KVCacheStoreSendingThread):
             raise TypeError(f"expected vLLM's KVCacheStoreSendingThread, got {type(thread).__name__}")
-        thread.__class__ = cls
+        internals.adopt_class(thread, cls)
         assert isinstance(thread, MergedSaveSendingThread)
         thread.pending_boundary_batch = None
         thread.store = _RidingStore(thread.store, thread)
@@ -163,7 +164,7 @@ class MergedSaveSendingThread(KVCacheStoreSendingThread):
         if not puts:
             return True
         group_ids = (
-            [upstream._make_mooncake_group_id(metadata, split_chunk_key(key)[1]) for key, _, _, metadata in puts]
+            [internals.make_mooncake_group_id(metadata, split_chunk_key(key)[1]) for key, _, _, metadata in puts]
             if self.enable_group_semantics and self.supports_group_ids
             else None
         )

@@ -4,11 +4,8 @@ and the online replication audit (see :mod:`kvpolicy.vllm.audit`)."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -26,70 +23,38 @@ from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import BlockHash
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from kvpolicy.audit import AuditState, AuditStatus, ReplicationAuditError, StepOutcome
-from kvpolicy.contract import key_contract
+from kvpolicy.audit import AuditState, ReplicationAuditError
 from kvpolicy.dumper import dump_layout
 from kvpolicy.engine import make_plan
 from kvpolicy.keys import KeyContext, model_basename
 from kvpolicy.loader import schemas_dir
 from kvpolicy.models import Layout, LoadMode, Policy, Topology
 from kvpolicy.plan import Plan
-from kvpolicy.report import format_plan_table, plan_to_json
 from kvpolicy.runtime.collective import PeerExchange
+from kvpolicy.runtime.policy import RankPlace, RankPolicy, write_text_atomically
+from kvpolicy.settings import KVPolicySettings
 from kvpolicy.store_layout import StoreSharding
 from kvpolicy.vllm import audit as online_audit
+from kvpolicy.vllm import internals
 from kvpolicy.vllm import store
 from kvpolicy.vllm.layout import layout_from_kv_cache_config
 from kvpolicy.vllm.lookup import LookupProbes
 from kvpolicy.vllm.lookup import lookup as probing_lookup
-from kvpolicy.vllm.metrics import CountingStore, KVPolicyConnectorStats, Tally, dedup_multiplier
-from kvpolicy.vllm.read_failures import ReadFailures, RecordingReadStore, ttl_from_extra_config
+from kvpolicy.runtime.read_failures import ReadFailures, RecordingReadStore
+from kvpolicy.runtime.tally import Tally
+from kvpolicy.vllm.metrics import CountingStore, KVPolicyConnectorStats, dedup_multiplier
 from kvpolicy.vllm.send import MergedSaveSendingThread
 from kvpolicy.vllm.standalone import Ranks, init_standalone
-from kvpolicy.vllm.striped import KVStorages, StripedReadStore, StripedSettings, exchange_over_tp, striping_possible
+from kvpolicy.vllm.striped import KVStorages, StripedReadStore, exchange_over_tp, striping_possible
 
 # Under "vllm." so records reach vLLM's own handler (it configures only the "vllm" logger tree).
 logger = init_logger(f"vllm.{__name__}")
 
-PLAN_JSON_KEY = "kvpolicy_plan_json"
-"""``kv_connector_extra_config`` key naming a file rank 0 writes the plan to, as JSON (rewritten
-after every audited step that changes a group's audit status)."""
-KEYS_JSON_KEY = "kvpolicy_keys_json"
-"""``kv_connector_extra_config`` key naming a file rank 0 writes the key contract to
-(:mod:`kvpolicy.contract`, what ``kvpolicy keys --format json`` prints), at start-up and whenever the
-audit changes the plan. Without it, an instance given ``kvpolicy_plan_json`` writes the contract next
-to the plan, as ``<plan file stem>.keys.json``."""
 LAYOUT_OUT_KEY = "kvpolicy_layout_out"
-"""``kv_connector_extra_config`` key naming a file rank 0 writes, at start-up, the layout it planned
-(the ``ModelLayout`` of its ``KVCacheConfig``), for ``kvpolicy validate`` / ``plan --layout``."""
+"""The ``kv_connector_extra_config`` key of :attr:`kvpolicy.settings.KVPolicySettings.kvpolicy_layout_out`."""
 
 AUDIT_STATS_OPERATION = online_audit.AUDIT_STATS_OPERATION
 AUDIT_DEMOTED_OPERATION = online_audit.AUDIT_DEMOTED_OPERATION
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text``: a reader finds the previous file or the whole new one.
-
-    A fresh name opened with ``O_EXCL`` never follows a planted symlink; mode 0o666 leaves the umask
-    to decide, as a plain write would (``mkstemp``'s 0600 would hide the file from other users).
-    """
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-
-
-def keys_path_beside(plan_path: Path) -> Path:
-    """Where the key contract goes without ``kvpolicy_keys_json``: ``<plan file stem>.keys.json`` beside
-    the plan (``plan.json`` -> ``plan.keys.json``), never the plan file itself."""
-    return plan_path.with_name(f"{plan_path.stem}.keys.json")
 
 
 class KVPolicyStoreWorker(MooncakeStoreWorker):
@@ -104,23 +69,37 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
     TP ranks compare digests of those blocks; a group whose replica sets disagree is re-planned
     with factor 1 (new fingerprint, its own namespace) or, under ``enforce``, stops the engine.
     Until its audit agreed, a lookup uses a replicated group's shared namespace only where
-    another instance vouched for it (:class:`kvpolicy.vllm.audit.LookupGate`). A demotion is
-    published, and a fresh instance of the same plan starts with it (:meth:`_start_audit`).
+    another instance vouched for it. A demotion is published, and a fresh instance of the same plan
+    starts with it.
+
+    What is decided at run time — the plan and re-plans, each audited step's conclusion, markers,
+    the lookup gate, read failures, the tally, the status documents — is this rank's
+    :class:`~kvpolicy.runtime.policy.RankPolicy` (no vLLM, no torch); this class keeps upstream's
+    override points, reads what only vLLM's objects hold (layout, blocks, KV tensors) and delegates.
+    Its touches of vLLM's internals go through :mod:`kvpolicy.vllm.internals`.
     """
 
     _layout: Layout | None = None
     """The layout the plan was made from, set by :meth:`_make_plan`; None before planning."""
 
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, policy: Policy) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        *,
+        policy: Policy,
+        settings: KVPolicySettings | None = None,
+    ) -> None:
+        """``settings`` as the connector parsed them (parsed from ``vllm_config`` when not given)."""
         # Upstream's __init__ calls the override points, so everything they read is set first.
         is_first_rank = vllm_config.parallel_config.rank == 0
         self._init_policy_state(
             policy, vllm_config, model=vllm_config.model_config.model, is_first_rank=is_first_rank,
-            gather=online_audit.gather_over_tp,
+            gather=online_audit.gather_over_tp, settings=settings,
         )
         super().__init__(vllm_config, kv_cache_config)
         if is_first_rank:
-            self._report_plan(vllm_config)
+            self._report_plan()
 
     @classmethod
     def standalone(
@@ -135,6 +114,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         total_num_kv_heads: int,
         gather: Callable[[Any], Sequence[Any]],
         exchange: PeerExchange | None = None,
+        settings: KVPolicySettings | None = None,
     ) -> Self:
         """This worker without vLLM's distributed runtime (:mod:`kvpolicy.vllm.standalone`): the
         ranks, the store client and the TP collective are given instead of read off torch.distributed
@@ -146,14 +126,15 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         :mod:`kvpolicy.sim` runs its ranks this way."""
         worker = cls.__new__(cls)
         worker._init_policy_state(
-            policy, vllm_config, model=model, is_first_rank=ranks.is_first, gather=gather, exchange=exchange
+            policy, vllm_config, model=model, is_first_rank=ranks.is_first, gather=gather, exchange=exchange,
+            settings=settings,
         )
         init_standalone(
             worker, vllm_config, kv_cache_config, ranks=ranks, store=store, model=model,
             total_num_kv_heads=total_num_kv_heads,
         )
         if ranks.is_first:
-            worker._report_plan(vllm_config)
+            worker._report_plan()
         return worker
 
     def _init_policy_state(
@@ -165,18 +146,20 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         is_first_rank: bool,
         gather: Callable[[Any], Sequence[Any]],
         exchange: PeerExchange | None = None,
+        settings: KVPolicySettings | None = None,
     ) -> None:
         """What the override points read besides upstream's own attributes (model and cache prefix
         exactly as upstream reads them for ``KeyMetadata``; where rank 0 captures the layout)."""
         assert vllm_config.kv_transfer_config is not None
         extra_config = vllm_config.kv_transfer_config.kv_connector_extra_config
-        layout_out = extra_config.get(LAYOUT_OUT_KEY) if is_first_rank else None
+        if settings is None:
+            settings = KVPolicySettings.parse(extra_config)
+        self._settings = settings
         self._policy = policy
-        self._layout_out = Path(str(layout_out)) if layout_out else None
+        self._layout_out = settings.kvpolicy_layout_out if is_first_rank else None
         self._model = model
-        self._cache_prefix = str(extra_config.get("cache_prefix", ""))
-        self._read_failures = ReadFailures(ttl_from_extra_config(extra_config))
-        self._striped_settings = StripedSettings.from_extra_config(extra_config)
+        self._cache_prefix = str(extra_config.get("cache_prefix", ""))  # vLLM's key, read as upstream reads it
+        self._read_failures = ReadFailures(settings.kvpolicy_read_failure_ttl_s)
         self._gather = gather
         self._exchange = exchange
         self._last_lookup_gated = False
@@ -184,16 +167,12 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._store_namespace = ""
         self._store_sharding: StoreSharding | None = None
         self._plan: Plan | None = None
-        self._audit: AuditState | None = None
-        self._gate = online_audit.LookupGate()
-        self._gate_logged = False
+        self._runtime: RankPolicy | None = None
         self._block_reader: online_audit.BlockReader | None = None
-        self._plan_json_path: Path | None = None
-        self._keys_json_path: Path | None = None
         self._tally = Tally()
         # Instance-wide counts (audit steps, the plan) come from one worker: tp rank 0 of every (pcp,
         # pp) stage concludes each step, and vLLM sums the workers' stats.
-        self._counts_instance = is_first_rank
+        self._is_first_rank = is_first_rank
         self._prefix_groups: dict[str, int] = {}
 
     @property
@@ -202,9 +181,15 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         return self._plan
 
     @property
+    def runtime(self) -> RankPolicy | None:
+        """This rank's run-time policy (:mod:`kvpolicy.runtime.policy`); None before planning and on a
+        capacity-only instance."""
+        return self._runtime
+
+    @property
     def audit(self) -> AuditState | None:
         """The replication audit's state; None before planning and on a capacity-only instance."""
-        return self._audit
+        return None if self._runtime is None else self._runtime.audit
 
     @property
     def last_lookup_probes(self) -> LookupProbes:
@@ -266,48 +251,21 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
                 f"kvpolicy planned {len(declared.groups)} groups but the store coordinator has "
                 f"{len(self._kv_cache_groups)}; the layout adapter and vLLM disagree on the group selection"
             )
-        self._audit = self._start_audit(declared, replan)
-        self._gate = online_audit.LookupGate(pcp_rank=self.pcp_rank, pp_rank=self.pp_rank)
-        return self._audit.plan
-
-    def _start_audit(self, declared: Plan, replan: Callable[[frozenset[int]], Plan]) -> AuditState:
-        """The audit this instance starts with: demoted already where another instance of ``declared``
-        published a demotion (:func:`kvpolicy.audit.demotion_key`), so that it loads the fallback's
-        objects from its first lookup.
-
-        Every TP rank reads the markers of its (pcp, pp) namespace and the ranks take the union
-        (:func:`kvpolicy.vllm.audit.agree_on_demotions`): a rank that alone saw a marker would
-        otherwise skip audited steps the others make, and hang them in the collective. Whether the
-        ranks gather at all depends on the plan only. Runs inside upstream's ``__init__``: the store
-        client exists, the send thread does not yet.
-        """
-        fresh = AuditState(declared, replan=replan)
-        groups = fresh.groups_to_audit()  # empty under audit: off, which trusts the rule and ignores markers
-        if not groups:
-            return fresh
-        found = online_audit.read_demotions(
-            self.store, declared, groups, pcp_rank=self.pcp_rank, pp_rank=self.pp_rank
+        settings = self._settings
+        self._runtime = RankPolicy(
+            policy,
+            store=self.store,
+            gather=self._gather,
+            place=RankPlace(
+                tp_rank=self.tp_rank, pcp_rank=self.pcp_rank, pp_rank=self.pp_rank, is_first_rank=self._is_first_rank
+            ),
+            plan_json=settings.kvpolicy_plan_json,
+            keys_json=settings.keys_json_path(),
+            read_failures=self._read_failures,
+            tally=self._tally,
         )
-        inherited = online_audit.agree_on_demotions(found, gather=self._gather)
-        if not inherited:
-            return fresh
-        try:
-            state = AuditState(declared, replan=replan, inherited=inherited)
-        except ReplicationAuditError as error:
-            if self.tp_rank == 0:
-                logger.error("%s (audit: enforce stops the engine)", error)
-            raise
-        if self.tp_rank == 0:
-            logger.warning(
-                "kvpolicy audit: inherited demotion of group%s %s from another instance of this plan; "
-                "starting with factor 1 there (own namespace, plan fingerprint %s -> %s): %s",
-                "s" if len(state.inherited) > 1 else "",
-                ",".join(map(str, state.inherited)),
-                declared.fingerprint,
-                state.plan.fingerprint,
-                " | ".join(state.inherited.values()),
-            )
-        return state
+        # Runs inside upstream's __init__: the store client exists, the send thread does not yet.
+        return self._runtime.start(declared, replan, layout=layout)
 
     # --- the three override points ---------------------------------------------------------------
 
@@ -355,22 +313,21 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         # no hook, so the plan's schedule replaces both here. Safe although the thread is running:
         # saves reach it only through wait_for_save, which cannot run before this method returns.
         self._bind(self._require_plan())
+        # Counts, per group, what the send thread puts and finds stored (kvpolicy's /metrics).
+        internals.decorate_send_store(
+            self,
+            lambda inner: CountingStore(
+                inner, self._tally, self._group_of_key, lambda group: dedup_multiplier(self._require_plan(), group)
+            ),
+        )
         if self.kv_send_thread is not None:
-            # Counts, per group, what the send thread puts and finds stored (kvpolicy's /metrics).
-            self.kv_send_thread.store = CountingStore(
-                self.kv_send_thread.store,
-                self._tally,
-                self._group_of_key,
-                lambda group: dedup_multiplier(self._require_plan(), group),
-            )
             # One exists check and one put per job for boundary states and chunks together; outside
             # the counting view, so that it counts the boundary keys riding on the chunk calls.
             MergedSaveSendingThread.adopt(self.kv_send_thread)
         self._stripe_loads(kv_caches)
         if self._read_failures.ttl_s > 0:
             # Outermost, so that it sees every failure vLLM sees (striped loads report their own).
-            for thread in self.kv_recv_threads:
-                thread.store = RecordingReadStore(thread.store, self._read_failures)
+            internals.decorate_recv_stores(self, lambda inner: RecordingReadStore(inner, self._read_failures))
 
     def _stripe_loads(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Under ``load: striped``, give the receive threads the striping view of the store."""
@@ -385,19 +342,21 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             if self.tp_rank == 0:
                 logger.warning("kvpolicy: load: striped falls back to reads on every rank: %s", why)
             return
-        settings = self._striped_settings
-        exchange = self._exchange if self._exchange is not None else exchange_over_tp(settings)
+        settings = self._settings
+        exchange = self._exchange if self._exchange is not None else exchange_over_tp(settings.kvpolicy_striped_exchange)
         storages = KVStorages.of_kv_caches(kv_caches)
-        for thread in self.kv_recv_threads:
-            thread.store = StripedReadStore(
-                thread.store,
+        internals.decorate_recv_stores(
+            self,
+            lambda inner: StripedReadStore(
+                inner,
                 tp_rank=self.tp_rank,
                 group_of_key=self._group_of_key,
                 replica_set_of=self._replica_set_of,
                 exchange=exchange,
                 storages=storages,
-                piece_budget_bytes=settings.piece_budget_bytes,
-            )
+                piece_budget_bytes=settings.striped_piece_budget_bytes,
+            ),
+        )
 
     def _replica_set_of(self, group: int) -> tuple[int, ...]:
         """This rank's replica set in ``group``, as the plan it runs now says."""
@@ -415,13 +374,13 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         no save or load is in flight: the send thread reads all of these per job."""
         changed = plan is not self._plan
         self._plan = plan
-        self._group_tp_replication_factors = plan.factors
+        databases = None
         old = list(self.token_dbs)
         if old and changed:  # at registration they were built from this very plan in __init__
             if plan.store_sharding is not None:
                 # Unreachable: under a TP-sharded store every group has factor 1, so no audit demotes.
                 raise RuntimeError("kvpolicy: a TP-sharded store layout is never re-planned")
-            new = store.build_token_databases(
+            databases = store.build_token_databases(
                 plan,
                 tp_rank=self.tp_rank,
                 pcp_rank=self.pcp_rank,
@@ -430,71 +389,28 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
                 hash_block_sizes=[database.hash_block_size for database in old],
                 metadata=dataclasses.replace(old[0].metadata, tp_rank=self.tp_rank, group_id=0),
             )
-            for database, previous in zip(new, old, strict=True):
-                database.set_kv_caches_base_addr(list(previous.kv_caches_base_addr))
-                database.set_block_len(list(previous.block_len))
-            # The same list object: the transfer threads hold it.
-            self.token_dbs[:] = new
-        self._lookup_key_prefixes = store.lookup_key_prefixes(plan)
         self._prefix_groups = {
             prefix: group.index
             for group in plan.groups
             for prefix in plan.key_prefixes(group.index, self.tp_rank, self.pcp_rank, self.pp_rank)
         }
-        thread = self.kv_send_thread
-        if thread is not None:
-            thread.tp_rank = store.send_thread_rank(plan, self.tp_rank)
-            thread.group_put_steps = store.group_put_steps(plan)
-            thread.group_participates = store.group_participates(
+        internals.bind_plan(
+            self,
+            plan.factors,
+            token_databases=databases,
+            lookup_key_prefixes=store.lookup_key_prefixes(plan),
+            send_rank=store.send_thread_rank(plan, self.tp_rank),
+            put_steps=store.group_put_steps(plan),
+            participates=store.group_participates(
                 plan, self.tp_rank, [group.kv_cache_spec.prefix_cacheable for group in self._kv_cache_groups]
-            )
+            ),
+        )
 
     # --- reporting -------------------------------------------------------------------------------
 
-    def _statuses(self) -> dict[int, AuditStatus] | None:
-        return None if self._audit is None else self._audit.statuses
-
-    def _report_plan(self, vllm_config: VllmConfig) -> None:
-        if self._plan is None:
-            return  # capacity-only: nothing planned
-        assert vllm_config.kv_transfer_config is not None
-        json_path = vllm_config.kv_transfer_config.kv_connector_extra_config.get(PLAN_JSON_KEY)
-        plan = self._plan
-        logger.info(
-            "kvpolicy plan (policy %s):\n%s", self._policy.name, format_plan_table(plan, audit=self._statuses())
-        )
-        keys_path = vllm_config.kv_transfer_config.kv_connector_extra_config.get(KEYS_JSON_KEY)
-        if json_path:
-            self._plan_json_path = Path(str(json_path))
-        if keys_path or json_path:
-            self._keys_json_path = (
-                Path(str(keys_path)) if keys_path else keys_path_beside(Path(str(json_path)))
-            )
-        self._write_plan_json()
-        self._tally.plan(plan)
-        for what, path in (("plan", self._plan_json_path), ("key contract", self._keys_json_path)):
-            if path is not None:
-                logger.info("kvpolicy %s written to %s", what, path)
-
-    def _write_plan_json(self) -> None:
-        """Rewrite the plan file and the key contract (where configured) for the plan now run."""
-        if self._keys_json_path is not None:
-            assert self._layout is not None  # planned from it
-            contract = key_contract(self._require_plan(), self._layout)
-            write_text_atomically(self._keys_json_path, json.dumps(contract.model_dump(mode="json"), indent=2) + "\n")
-        if self._plan_json_path is None:
-            return
-        payload = plan_to_json(self._require_plan(), audit=self._statuses())
-        if self._audit is not None and self._audit.inherited:
-            declared = self._audit.initial_plan.fingerprint
-            payload["audit"]["inherited"] = [
-                {"group": group, "plan": declared, "message": message}
-                for group, message in self._audit.inherited.items()
-            ]
-        if self._audit is not None and self._audit.history:
-            payload["audit"]["steps_done"] = self._audit.steps_done
-            payload["audit"]["errors"] = [message for step in self._audit.history for message in step.messages]
-        write_text_atomically(self._plan_json_path, json.dumps(payload, indent=2) + "\n")
+    def _report_plan(self) -> None:
+        if self._runtime is not None:  # capacity-only: nothing planned
+            self._runtime.report_plan()
 
     @staticmethod
     def _write_layout(path: Path, layout: Layout, topology: Topology) -> None:
@@ -520,10 +436,10 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
     def _audit_step(self, metadata: MooncakeStoreConnectorMetadata) -> None:
         """One audited step, if this is one. Every TP rank reaches the same decision from the same
         metadata and state, so either all ranks enter the collective or none does."""
-        state = self._audit
-        if state is None:
+        runtime = self._runtime
+        if runtime is None:
             return
-        groups = state.groups_to_audit()
+        groups = runtime.groups_to_audit()
         if not groups:
             return
         blocks = online_audit.blocks_to_audit(metadata, self.coord, groups)
@@ -568,115 +484,26 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             return gathered
 
         try:
-            outcome = online_audit.conclude_step(state, collect_reports, collect_samples, comparisons=comparisons)
+            outcome = runtime.conclude_step(
+                collect_reports,
+                collect_samples,
+                comparisons=comparisons,
+                distance=online_audit.tensor_distance,
+                on_plan_change=self._rebind,
+                blocks_per_rank=sum(len(ids) for ids in blocks.values()),
+                timings=timings,
+            )
         except ReplicationAuditError as error:
             if self.tp_rank == 0:
-                logger.error("%s (audit: enforce stops the engine)", error)
                 online_audit.record_stats(self, blocks, time.perf_counter() - started, demoted=len(error.audits))
-                if self._counts_instance:
-                    self._tally.audit_step(demoted=tuple(audit.group for audit in error.audits))
             raise
-        if outcome.plan_changed:
-            # No save or load may straddle the change of namespaces.
-            online_audit.drain(self)
-            self._bind(outcome.plan)
         if self.tp_rank == 0:
-            self._after_audit(outcome, blocks, started, timings)
+            online_audit.record_stats(self, blocks, time.perf_counter() - started, demoted=len(outcome.demoted))
 
-    def _after_audit(
-        self,
-        outcome: StepOutcome,
-        blocks: Mapping[int, Sequence[int]],
-        started: float,
-        timings: Mapping[str, float],
-    ) -> None:
-        """Rank 0's side effects of an audited step; nothing here feeds back into the audit."""
-        state = self._audit
-        assert state is not None
-        seconds = time.perf_counter() - started  # digest, collective, verdict and any fallback
-        self._publish_demotions(outcome)
-        for message in outcome.messages:
-            logger.error(
-                "%s; falling back to factor 1 for this instance (own namespace, plan fingerprint %s -> %s)",
-                message,
-                outcome.previous_plan.fingerprint,
-                outcome.plan.fingerprint,
-            )
-        if outcome.failed_ranks:
-            logger.warning(
-                "kvpolicy audit step %d: ranks %s could not digest their blocks; this step proves nothing",
-                outcome.step,
-                ",".join(map(str, outcome.failed_ranks)),
-            )
-        verdicts = ", ".join(
-            f"group {audit.group} {audit.verdict.value}"
-            + (f" within rounding (relative distance {audit.distance:.1e})" if audit.distance else "")
-            for audit in outcome.audits
-        )
-        logger.info(
-            "kvpolicy audit step %d/%d: %d blocks per rank (%s); digest %.2f ms, gather %.2f ms, total %.2f ms%s",
-            outcome.step,
-            state.steps,
-            sum(len(ids) for ids in blocks.values()),
-            verdicts or "no verdict",
-            timings.get("digest", 0.0) * 1e3,
-            timings.get("gather", 0.0) * 1e3,
-            seconds * 1e3,
-            f" (values compared: {timings['values'] * 1e3:.2f} ms)" if "values" in timings else "",
-        )
-        for group in outcome.unverified:
-            logger.warning(
-                "kvpolicy audit: group %d (%s) saved only all-zero blocks in %d audited steps; its rule stays "
-                "unverified, and lookups use its shared namespace only where another instance vouched for it",
-                group,
-                outcome.plan.groups[group].name,
-                state.steps,
-            )
-        self._publish_agreements(outcome)
-        online_audit.record_stats(self, blocks, seconds, demoted=len(outcome.demoted))
-        if self._counts_instance:
-            self._tally.audit_step(demoted=outcome.demoted)
-            if outcome.plan_changed:
-                self._tally.plan(outcome.plan)
-        if outcome.plan_changed:
-            logger.info("kvpolicy plan after the audit:\n%s", format_plan_table(outcome.plan, audit=state.statuses))
-        if outcome.plan_changed or outcome.agreed or outcome.unverified:
-            self._write_plan_json()
-
-    def _publish_demotions(self, outcome: StepOutcome) -> None:
-        """Tell fresh instances of this instance's initial plan which groups this step demoted, so they
-        start demoted (:meth:`_start_audit`). First among rank 0's side effects: nothing that may fail
-        before it keeps the next instance from the fallback's objects."""
-        state = self._audit
-        if state is None or not outcome.demoted:
-            return
-        try:
-            online_audit.write_demotions(
-                self.store, state.initial_plan, outcome.demotions, pcp_rank=self.pcp_rank, pp_rank=self.pp_rank
-            )
-        except Exception:
-            logger.exception("kvpolicy audit: could not publish the demotion; the next instance audits again")
-
-    def _publish_agreements(self, outcome: StepOutcome) -> None:
-        """Vouch for the groups this instance verified (so fresh instances may load them), and
-        withdraw what a demotion disproved."""
-        state = self._audit
-        assert state is not None
-        agreed = outcome.agreed
-        if outcome.plan_changed:
-            # New fingerprint, new marker keys: vouch again for everything still agreed.
-            agreed = tuple(group for group, status in state.statuses.items() if status is AuditStatus.AGREED)
-        try:
-            if outcome.demoted:
-                online_audit.revoke_agreements(
-                    self.store, outcome.previous_plan, outcome.demoted, pcp_rank=self.pcp_rank, pp_rank=self.pp_rank
-                )
-            if agreed:
-                online_audit.write_agreements(
-                    self.store, outcome.plan, agreed, pcp_rank=self.pcp_rank, pp_rank=self.pp_rank
-                )
-        except Exception:
-            logger.exception("kvpolicy audit: could not update the agreement markers")
+    def _rebind(self, plan: Plan) -> None:
+        """Run ``plan`` from now on: no save or load may straddle the change of namespaces."""
+        online_audit.drain(self)
+        self._bind(plan)
 
     # --- metrics ---------------------------------------------------------------------------------
 
@@ -695,25 +522,9 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         reads (:mod:`kvpolicy.vllm.lookup`), behind the lookup gate."""
         self._last_lookup_gated = False
         self._last_lookup_probes = LookupProbes()
-        state = self._audit
-        if state is not None and not self._capacity_only:
-            try:
-                is_open = self._gate.open(state, self.store)
-            except Exception:
-                logger.exception("kvpolicy audit: could not check the agreement markers; treating as a miss")
-                is_open = False
-            if not is_open:
-                if not self._gate_logged:
-                    self._gate_logged = True
-                    logger.info(
-                        "kvpolicy audit: lookups miss until the replication audit verifies groups %s "
-                        "(no other instance of plan %s has vouched for them yet)",
-                        ", ".join(map(str, state.untrusted_groups())) or "(other pp/pcp stages)",
-                        state.plan.fingerprint,
-                    )
-                self._last_lookup_gated = True
-                self._tally.lookup_gated()
-                return MooncakeLookupResult(0)
+        if self._runtime is not None and not self._capacity_only and not self._runtime.lookup_allowed():
+            self._last_lookup_gated = True
+            return MooncakeLookupResult(0)
         result, self._last_lookup_probes = probing_lookup(
             self, num_tokens, block_hashes, read_failures=self._read_failures
         )

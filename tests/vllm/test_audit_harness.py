@@ -49,6 +49,7 @@ from kvpolicy.models import Audit, AuditMode, Policy, Topology  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.vllm import audit as online_audit  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
+from kvpolicy.runtime.policy import status_document  # noqa: E402
 from kvpolicy.sim import ARCHETYPES, BLOCK_SIZE, ConsistencyReport, Fleet, build_model, run_consistency  # noqa: E402
 from kvpolicy.sim.archetypes import Archetype  # noqa: E402
 from kvpolicy.sim import content, scheduler  # noqa: E402
@@ -337,8 +338,7 @@ def _demote(worker: Any, group: int) -> None:
     state = worker.audit
     outcome = state.conclude([{group: Digest("a", False)}, {group: Digest("b", False)}])
     assert outcome.demoted == (group,)
-    worker._plan = outcome.plan
-    worker._publish_demotions(outcome)
+    worker.runtime.publish_demotions(outcome)
 
 
 def test_a_fresh_instance_starts_with_every_demotion_the_previous_one_published(
@@ -350,11 +350,11 @@ def test_a_fresh_instance_starts_with_every_demotion_the_previous_one_published(
     assert declared.factors == (2, 2) and previous.audit.inherited == {}
     _demote(previous, 0)
     _demote(previous, 1)  # in a later step, under the plan the first demotion produced
-    assert previous.plan.factors == (1, 1)
+    assert previous.audit.plan.factors == (1, 1)
 
-    with caplog.at_level(logging.WARNING, logger="vllm.kvpolicy.vllm.worker"):
+    with caplog.at_level(logging.WARNING, logger="vllm.kvpolicy.runtime.policy"):
         fresh = planning_worker(policy, wrong_model, store_client, gather=gather_with(one_rank_gather))
-    assert fresh.plan.fingerprint == previous.plan.fingerprint != declared.fingerprint
+    assert fresh.plan.fingerprint == previous.audit.plan.fingerprint != declared.fingerprint
     assert fresh.audit.initial_plan.fingerprint == declared.fingerprint
     assert fresh.audit.statuses == {0: AuditStatus.DEMOTED, 1: AuditStatus.DEMOTED}
     assert fresh.audit.groups_to_audit() == ()
@@ -365,9 +365,7 @@ def test_a_fresh_instance_starts_with_every_demotion_the_previous_one_published(
     assert "inherited demotion of groups 0,1" in line
     assert f"{declared.fingerprint} -> {fresh.plan.fingerprint}" in line and messages[1] in line
 
-    fresh._plan_json_path = tmp_path / "plan.json"
-    fresh._write_plan_json()
-    payload = json.loads(fresh._plan_json_path.read_text())
+    payload = status_document(fresh.plan, fresh.audit)
     assert payload["audit"]["inherited"] == [
         {"group": 0, "plan": declared.fingerprint, "message": messages[0]},
         {"group": 1, "plan": declared.fingerprint, "message": messages[1]},

@@ -7,13 +7,10 @@ as a bad policy stops it, which is before anything else happens.
 
 from __future__ import annotations
 
-import ast
-import inspect
 import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,7 +26,6 @@ from vllm.config import VllmConfig
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvpolicy.diagnostics import DocumentError, PlanError
@@ -247,8 +243,43 @@ def test_the_connector_stops_on_a_bad_read_failure_ttl_naming_the_key(role: KVCo
     config = vllm_config("default")
     assert config.kv_transfer_config is not None
     config.kv_transfer_config.kv_connector_extra_config["kvpolicy_read_failure_ttl_s"] = ttl
-    with pytest.raises(KVPolicyConfigError, match=r"\['kvpolicy_read_failure_ttl_s'\] must be a number of seconds >= 0"):
+    message = f"kv_connector_extra_config.kvpolicy_read_failure_ttl_s: error: must be a number of seconds >= 0 (0 turns it off), got {ttl!r}"
+    with pytest.raises(KVPolicyConfigError) as raised:
         KVPolicyConnector(config, role, EMPTY_KV_CACHE_CONFIG)
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("role", list(KVConnectorRole), ids=lambda role: role.name.lower())
+def test_the_connector_stops_on_an_unknown_kvpolicy_key_with_a_suggestion(role: KVConnectorRole) -> None:
+    config = vllm_config("default")
+    assert config.kv_transfer_config is not None
+    config.kv_transfer_config.kv_connector_extra_config["kvpolicy_plan_jsn"] = "plan.json"
+    with pytest.raises(KVPolicyConfigError, match=r"^kv_connector_extra_config.kvpolicy_plan_jsn: error: unknown key; did you mean 'kvpolicy_plan_json'\?$"):
+        KVPolicyConnector(config, role, EMPTY_KV_CACHE_CONFIG)
+
+
+def test_the_connector_reports_every_bad_setting_at_once() -> None:
+    config = vllm_config("default")
+    assert config.kv_transfer_config is not None
+    config.kv_transfer_config.kv_connector_extra_config.update(
+        kvpolicy_read_failure_ttl_s=-1, kvpolicy_striped_exchange="mpi"
+    )
+    with pytest.raises(KVPolicyConfigError) as raised:
+        KVPolicyConnector(config, KVConnectorRole.WORKER, EMPTY_KV_CACHE_CONFIG)
+    assert [line.split(": error: ")[0] for line in str(raised.value).splitlines()] == [
+        "kv_connector_extra_config.kvpolicy_read_failure_ttl_s", "kv_connector_extra_config.kvpolicy_striped_exchange",
+    ]
+
+
+def test_vllm_accepts_the_builders_kv_transfer_config() -> None:
+    from kvpolicy.settings import KVPolicySettings
+
+    built = KVPolicySettings(kvpolicy="default", kvpolicy_read_failure_ttl_s=5).kv_transfer_config(
+        upstream_extra={"cache_prefix": "run"}
+    )
+    config = KVTransferConfig(**built)
+    assert KVConnectorFactory.get_connector_class(config) is KVPolicyConnector
+    assert resolve_policy(config.kv_connector_extra_config).name == "default"
 
 
 def test_vllm_factory_loads_the_connector_from_its_module_path() -> None:
@@ -274,41 +305,3 @@ def test_importing_kvpolicy_vllm_loads_neither_vllm_nor_mooncake() -> None:
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )
     assert result.stdout.strip() == "[]"
-
-
-def _on_self(node: ast.AST) -> str | None:
-    """``attr`` when ``node`` is ``self.attr``."""
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
-        return node.attr
-    return None
-
-
-def _self_assignments_and_calls(function: Callable[..., object]) -> set[str]:
-    """``self.x =`` and ``self.f()`` statements in ``function``'s source."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(function)))):
-        if isinstance(node, ast.Assign | ast.AnnAssign):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            found.update(f"self.{name} =" for name in map(_on_self, targets) if name)
-        elif isinstance(node, ast.Call) and (name := _on_self(node.func)):
-            found.add(f"self.{name}()")
-    return found
-
-
-def test_the_worker_role_repeats_every_assignment_and_call_of_upstream_init() -> None:
-    # Guards the lines KVPolicyConnector repeats from MooncakeStoreConnector.__init__ against drift.
-    upstream = _self_assignments_and_calls(MooncakeStoreConnector.__init__)
-    assert upstream - _self_assignments_and_calls(KVPolicyConnector._init_worker_role) == set()
-
-
-@pytest.mark.parametrize(
-    ("plan", "keys"),
-    [("run/plan.json", "run/plan.keys.json"), ("run/kvpolicy.plan.json", "run/kvpolicy.plan.keys.json"),
-     ("plan.keys.json", "plan.keys.keys.json"), ("plan", "plan.keys.json")],
-)
-def test_the_key_contract_goes_beside_the_plan_never_onto_it(plan: str, keys: str) -> None:
-    from pathlib import Path
-
-    from kvpolicy.vllm.worker import keys_path_beside
-
-    assert keys_path_beside(Path(plan)) == Path(keys)

@@ -1,17 +1,12 @@
-"""The standalone construction path against upstream's ``MooncakeStoreWorker.__init__``.
+"""The standalone construction path: its ranks and the thread collective the simulation gives it.
 
 :func:`kvpolicy.vllm.standalone.init_standalone` rebuilds upstream's ``__init__`` without the
-distributed runtime; the simulation, ``kvpolicy audit`` and the benchmarks build every rank with
-it. If a vLLM upgrade adds an attribute or an override-point call to ``__init__``, these tests fail
-instead of leaving simulated workers without it.
+distributed runtime; the simulation, ``kvpolicy audit`` and the benchmarks build every rank with it.
+That it repeats every ``self.x =`` and ``self.f()`` of upstream's ``__init__`` is checked with the rest
+of vLLM's internals, in ``tests/vllm/test_vllm_internals.py``.
 """
 
 from __future__ import annotations
-
-import ast
-import inspect
-import textwrap
-from collections.abc import Callable
 
 import pytest
 from conftest import require
@@ -19,55 +14,9 @@ from conftest import require
 require("vllm")
 require("mooncake.store")
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import MooncakeStoreWorker  # noqa: E402
-
 from kvpolicy.sim import ThreadGather  # noqa: E402
 from kvpolicy.sim.collective import CollectiveTimeout  # noqa: E402
-from kvpolicy.vllm.standalone import Ranks, init_standalone  # noqa: E402
-
-UPSTREAM_ONLY = {
-    "self._create_mem_pool()": "custom_mem_pool is CUDA-only; the standalone worker sets _mem_pool = None",
-}
-"""Calls of upstream's __init__ the standalone path replaces, and why."""
-
-
-def _attribute_of(node: ast.AST, receiver: str) -> str | None:
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == receiver:
-        return node.attr
-    return None
-
-
-def assignments_and_calls(function: Callable[..., object], receiver: str) -> set[str]:
-    """``self.x =`` (tuple targets included) and ``self.f()`` in ``function``, spelled with ``self``
-    whatever the receiver's name."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(function)))):
-        if isinstance(node, ast.Assign | ast.AnnAssign):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            flat = [item for target in targets for item in (target.elts if isinstance(target, ast.Tuple) else [target])]
-            found.update(f"self.{name} =" for name in (_attribute_of(target, receiver) for target in flat) if name)
-        elif isinstance(node, ast.Call) and (name := _attribute_of(node.func, receiver)):
-            found.add(f"self.{name}()")
-    return found
-
-
-def test_the_standalone_path_sets_every_attribute_upstreams_init_sets() -> None:
-    upstream = {item for item in assignments_and_calls(MooncakeStoreWorker.__init__, "self") if item.endswith("=")}
-    assert upstream - assignments_and_calls(init_standalone, "worker") == set()
-
-
-def test_the_standalone_path_makes_every_call_upstreams_init_makes_on_the_worker() -> None:
-    upstream = {item for item in assignments_and_calls(MooncakeStoreWorker.__init__, "self") if item.endswith("()")}
-    assert upstream - assignments_and_calls(init_standalone, "worker") == set(UPSTREAM_ONLY)
-
-
-def test_the_drift_check_sees_an_attribute_the_standalone_path_lacks() -> None:
-    def lacking(worker: object) -> None:
-        worker.tp_rank = 0  # type: ignore[attr-defined]
-
-    assert "self.tp_size =" in assignments_and_calls(MooncakeStoreWorker.__init__, "self") - assignments_and_calls(
-        lacking, "worker"
-    )
+from kvpolicy.vllm.standalone import Ranks  # noqa: E402
 
 
 @pytest.mark.parametrize("fields", [{"tp_rank": 2, "tp_size": 2}, {"tp_rank": 0, "tp_size": 0}, {"tp_rank": 0, "tp_size": 1, "pp_rank": 1}])

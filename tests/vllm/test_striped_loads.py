@@ -36,7 +36,7 @@ from kvpolicy.runtime.collective import PeerExchange, ThreadExchange, Transfer  
 from kvpolicy.runtime.striping import StripeCounts  # noqa: E402
 from kvpolicy.sim import ARCHETYPES, Fleet, Instance  # noqa: E402
 from kvpolicy.vllm.read_failures import RecordingReadStore  # noqa: E402
-from kvpolicy.vllm.striped import PIECE_MIB_KEY, StripedReadStore, StripedSettings  # noqa: E402
+from kvpolicy.vllm.striped import PIECE_MIB_KEY, StripedReadStore  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -220,14 +220,6 @@ def test_a_failed_owner_fails_only_its_keys_when_the_load_goes_in_pieces(
         counts = rank_counts(warm)
         assert sum(count.keys_failed for count in counts) == 1  # rank 0 fails the key rank 1 could not read
         assert not any(receive_store(t).broken for r in warm.ranks for t in r.worker.kv_recv_threads)
-
-
-def test_the_piece_budget_setting_is_checked_with_the_key_named() -> None:
-    assert StripedSettings.from_extra_config({}).piece_budget_bytes == 256 * 2**20
-    assert StripedSettings.from_extra_config({PIECE_MIB_KEY: 0.5}).piece_budget_bytes == 2**19
-    with pytest.raises(ValueError) as error:
-        StripedSettings.from_extra_config({PIECE_MIB_KEY: 0, "kvpolicy_striped_exchange": "mpi"})
-    assert PIECE_MIB_KEY in str(error.value) and "kvpolicy_striped_exchange" in str(error.value)
 
 
 # --- StripedReadStore alone: copies, peers, gloo between processes ---------------------------------------

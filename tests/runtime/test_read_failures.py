@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpolicy.vllm.read_failures import (
-    DEFAULT_TTL_S,
-    READ_FAILURE_TTL_KEY,
-    ReadFailures,
-    RecordingReadStore,
-    ttl_from_extra_config,
-)
+from kvpolicy.runtime.read_failures import ReadFailures, RecordingReadStore
 
 
 class Clock:
@@ -106,15 +100,3 @@ def test_the_recording_store_passes_every_other_call_through() -> None:
     store = RecordingReadStore(inner, ReadFailures(30))
     assert store.batch_is_exist(["a"]) == [1]
     assert store.inner is inner
-
-
-def test_the_ttl_defaults_and_reads_from_the_extra_config() -> None:
-    assert ttl_from_extra_config({}) == DEFAULT_TTL_S
-    assert ttl_from_extra_config({READ_FAILURE_TTL_KEY: 5}) == 5.0
-    assert ttl_from_extra_config({READ_FAILURE_TTL_KEY: 0}) == 0.0
-
-
-@pytest.mark.parametrize("value", [-0.5, "10", float("nan"), float("inf"), False, [10]])
-def test_a_bad_ttl_is_refused_naming_the_key_and_what_to_write(value: object) -> None:
-    with pytest.raises(ValueError, match=r"\['kvpolicy_read_failure_ttl_s'\] must be a number of seconds >= 0 \(0 turns it off\)"):
-        ttl_from_extra_config({READ_FAILURE_TTL_KEY: value})

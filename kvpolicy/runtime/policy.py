@@ -1,0 +1,376 @@
+"""The run-time policy of one rank of an instance, without vLLM or torch.
+
+:class:`RankPolicy` holds what kvpolicy decides while an instance runs, for one TP rank: the plan it
+starts with (demoted already where another instance of the same plan published a demotion, agreed on
+by every TP rank), each audited step's conclusion and what follows from it (the re-plan, the
+demotion and agreement markers, the status documents), the lookup gate, the memory of failed reads
+and the tally. It is written against :mod:`kvpolicy.runtime.ports` — the store's marker calls, a
+gather over the TP ranks, a clock — so its behaviour runs in pure tests with an in-memory store and
+a list collective. The vLLM worker (:class:`kvpolicy.vllm.worker.KVPolicyStoreWorker`) keeps
+upstream's override points and delegates here; what it still does itself is what touches vLLM: the
+layout from the ``KVCacheConfig``, the blocks of a step, digests on KV tensors, the token databases.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpolicy.audit import AuditState, AuditStatus, ReplicationAuditError, StepOutcome, ValueComparison
+from kvpolicy.contract import key_contract
+from kvpolicy.models import Layout, Policy
+from kvpolicy.plan import Plan
+from kvpolicy.report import format_plan_table, plan_to_json
+from kvpolicy.runtime.audit_step import Report, Samples, conclude_step
+from kvpolicy.runtime.markers import (
+    LookupGate,
+    agree_on_demotions,
+    read_demotions,
+    revoke_agreements,
+    write_agreements,
+    write_demotions,
+)
+from kvpolicy.runtime.ports import Clock, Gather, KVStore
+from kvpolicy.runtime.read_failures import ReadFailures
+from kvpolicy.runtime.tally import Tally
+from kvpolicy.settings import DEFAULT_READ_FAILURE_TTL_S
+
+# Under "vllm." so records reach vLLM's own handler when it runs in vLLM (it configures that tree only).
+logger = logging.getLogger(f"vllm.{__name__}")
+
+__all__ = ["RankPlace", "RankPolicy", "status_document", "write_text_atomically"]
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a rank sits: its (pcp, pp) namespace and whether it speaks for its stage or the instance."""
+
+    tp_rank: int = 0
+    pcp_rank: int = 0
+    pp_rank: int = 0
+    is_first_rank: bool = True
+    """Global rank 0 of the instance: it writes the status documents and counts instance-wide stats."""
+
+    @property
+    def speaks(self) -> bool:
+        """TP rank 0 of its (pcp, pp) stage: it logs, writes markers and records each step's stats."""
+        return self.tp_rank == 0
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``: a reader finds the previous file or the whole new one.
+
+    A fresh name opened with ``O_EXCL`` never follows a planted symlink; mode 0o666 leaves the umask
+    to decide, as a plain write would (``mkstemp``'s 0600 would hide the file from other users).
+    """
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def status_document(plan: Plan, audit: AuditState | None) -> dict[str, Any]:
+    """The plan file's content (``kvpolicy_plan_json``): the plan with each group's audit status, the
+    demotions inherited from another instance, and the audit's steps and errors so far."""
+    payload = plan_to_json(plan, audit=None if audit is None else audit.statuses)
+    if audit is not None and audit.inherited:
+        declared = audit.initial_plan.fingerprint
+        payload["audit"]["inherited"] = [
+            {"group": group, "plan": declared, "message": message} for group, message in audit.inherited.items()
+        ]
+    if audit is not None and audit.history:
+        payload["audit"]["steps_done"] = audit.steps_done
+        payload["audit"]["errors"] = [message for step in audit.history for message in step.messages]
+    return payload
+
+
+class RankPolicy:
+    """One rank's run-time policy: plan, audit, markers, lookup gate, read failures, tally, status files.
+
+    ``store`` is the rank's store client (markers), ``gather`` the collective over the TP ranks,
+    ``clock`` the read-failure memory's time (or ``read_failures`` itself, and the ``tally``, when the
+    caller made them before the store existed). ``plan_json`` / ``keys_json`` are where the first rank
+    writes the status documents (None: not written)."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        store: KVStore,
+        gather: Gather,
+        place: RankPlace = RankPlace(),
+        plan_json: Path | None = None,
+        keys_json: Path | None = None,
+        read_failure_ttl_s: float = DEFAULT_READ_FAILURE_TTL_S,
+        clock: Clock = time.monotonic,
+        read_failures: ReadFailures | None = None,
+        tally: Tally | None = None,
+    ) -> None:
+        self.policy = policy
+        self.store = store
+        self.place = place
+        self.read_failures = read_failures if read_failures is not None else ReadFailures(read_failure_ttl_s, clock=clock)
+        """Keys whose read failed lately; lookups report them missing (given: shared with the caller)."""
+        self.tally = tally if tally is not None else Tally()
+        """kvpolicy's counters since the last stats (given: shared with the caller)."""
+        self.gate = LookupGate(pcp_rank=place.pcp_rank, pp_rank=place.pp_rank)
+        """Keeps lookups off shared namespaces no audit has verified."""
+        self._gather = gather
+        self._plan_json = plan_json if place.is_first_rank else None
+        self._keys_json = keys_json if place.is_first_rank else None
+        self._audit: AuditState | None = None
+        self._layout: Layout | None = None
+        self._gate_logged = False
+
+    # --- the plan ---------------------------------------------------------------------------------
+
+    @property
+    def audit(self) -> AuditState | None:
+        """The replication audit's state; None before :meth:`start`."""
+        return self._audit
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan the rank runs now; None before :meth:`start`."""
+        return None if self._audit is None else self._audit.plan
+
+    def start(self, declared: Plan, replan: Callable[[frozenset[int]], Plan], *, layout: Layout | None = None) -> Plan:
+        """Start running ``declared`` (``replan(demoted)`` makes it again with groups at factor 1):
+        demoted already where another instance of ``declared`` published a demotion
+        (:func:`kvpolicy.audit.demotion_key`), so that it loads the fallback's objects from its first
+        lookup. Returns the plan to run.
+
+        Every TP rank reads the markers of its (pcp, pp) namespace and the ranks take the union
+        (:func:`~kvpolicy.runtime.markers.agree_on_demotions`): a rank that alone saw a marker would
+        otherwise skip audited steps the others make, and hang them in the collective. Whether the
+        ranks gather at all depends on the plan only. ``layout`` is what the key contract is written
+        from. Raises :class:`~kvpolicy.audit.ReplicationAuditError` under ``enforce`` when a demotion
+        was inherited."""
+        self._layout = layout
+        fresh = AuditState(declared, replan=replan)
+        self._audit = fresh
+        groups = fresh.groups_to_audit()  # empty under audit: off, which trusts the rule and ignores markers
+        if not groups:
+            return fresh.plan
+        place = self.place
+        found = read_demotions(self.store, declared, groups, pcp_rank=place.pcp_rank, pp_rank=place.pp_rank)
+        inherited = agree_on_demotions(found, gather=self._gather)
+        if not inherited:
+            return fresh.plan
+        try:
+            state = AuditState(declared, replan=replan, inherited=inherited)
+        except ReplicationAuditError as error:
+            if place.speaks:
+                logger.error("%s (audit: enforce stops the engine)", error)
+            raise
+        self._audit = state
+        if place.speaks:
+            logger.warning(
+                "kvpolicy audit: inherited demotion of group%s %s from another instance of this plan; "
+                "starting with factor 1 there (own namespace, plan fingerprint %s -> %s): %s",
+                "s" if len(state.inherited) > 1 else "",
+                ",".join(map(str, state.inherited)),
+                declared.fingerprint,
+                state.plan.fingerprint,
+                " | ".join(state.inherited.values()),
+            )
+        return state.plan
+
+    def _require_audit(self) -> AuditState:
+        if self._audit is None:
+            raise RuntimeError("no plan yet: RankPolicy.start was not called")
+        return self._audit
+
+    # --- the status documents ---------------------------------------------------------------------
+
+    def report_plan(self) -> None:
+        """The first rank's start-up report: the plan table in the log, the status documents, the
+        plan in the tally (its info series)."""
+        if not self.place.is_first_rank:
+            return
+        state = self._require_audit()
+        logger.info(
+            "kvpolicy plan (policy %s):\n%s", self.policy.name, format_plan_table(state.plan, audit=state.statuses)
+        )
+        self.write_status()
+        self.tally.plan(state.plan)
+        for what, path in (("plan", self._plan_json), ("key contract", self._keys_json)):
+            if path is not None:
+                logger.info("kvpolicy %s written to %s", what, path)
+
+    def write_status(self) -> None:
+        """Rewrite the plan file and the key contract (where configured) for the plan now run."""
+        state = self._require_audit()
+        if self._keys_json is not None:
+            if self._layout is None:
+                raise RuntimeError("a key contract needs the layout the plan was made from (RankPolicy.start)")
+            contract = key_contract(state.plan, self._layout)
+            write_text_atomically(self._keys_json, json.dumps(contract.model_dump(mode="json"), indent=2) + "\n")
+        if self._plan_json is not None:
+            write_text_atomically(self._plan_json, json.dumps(status_document(state.plan, state), indent=2) + "\n")
+
+    # --- an audited step --------------------------------------------------------------------------
+
+    def groups_to_audit(self) -> tuple[int, ...]:
+        """The groups this step would audit (empty: not an audited step, or before :meth:`start`)."""
+        return () if self._audit is None else self._audit.groups_to_audit()
+
+    def conclude_step(
+        self,
+        collect_reports: Callable[[], Sequence[Report]],
+        collect_samples: Callable[[tuple[int, ...]], Sequence[Samples]],
+        *,
+        comparisons: Mapping[int, ValueComparison] | None = None,
+        distance: Callable[[Any, Any], float] | None = None,
+        on_plan_change: Callable[[Plan], None] = lambda plan: None,
+        blocks_per_rank: int = 0,
+        timings: Mapping[str, float] | None = None,
+    ) -> StepOutcome:
+        """One audited step: every rank's digests (and, where they differ, samples) concluded alike on
+        every rank (:func:`kvpolicy.runtime.audit_step.conclude_step`); ``on_plan_change(plan)`` runs
+        before anything else when the step re-planned (the worker drains its transfers and binds the
+        plan). Then, on the rank that speaks for its stage: the demotion published first, the log,
+        the agreement markers, the tally, the status documents. Raises
+        :class:`~kvpolicy.audit.ReplicationAuditError` under ``enforce``, after logging and counting it."""
+        state = self._require_audit()
+        started = time.perf_counter()
+        kwargs = {} if distance is None else {"distance": distance}
+        try:
+            outcome = conclude_step(state, collect_reports, collect_samples, comparisons=comparisons, **kwargs)
+        except ReplicationAuditError as error:
+            if self.place.speaks:
+                logger.error("%s (audit: enforce stops the engine)", error)
+                if self.place.is_first_rank:
+                    self.tally.audit_step(demoted=tuple(audit.group for audit in error.audits))
+            raise
+        if outcome.plan_changed:
+            # No save or load may straddle the change of namespaces.
+            on_plan_change(outcome.plan)
+        if self.place.speaks:
+            self._after_step(outcome, blocks_per_rank, time.perf_counter() - started, timings or {})
+        return outcome
+
+    def _after_step(self, outcome: StepOutcome, blocks_per_rank: int, seconds: float, timings: Mapping[str, float]) -> None:
+        """The speaking rank's side effects of an audited step; nothing here feeds back into the audit."""
+        state = self._require_audit()
+        self.publish_demotions(outcome)
+        for message in outcome.messages:
+            logger.error(
+                "%s; falling back to factor 1 for this instance (own namespace, plan fingerprint %s -> %s)",
+                message,
+                outcome.previous_plan.fingerprint,
+                outcome.plan.fingerprint,
+            )
+        if outcome.failed_ranks:
+            logger.warning(
+                "kvpolicy audit step %d: ranks %s could not digest their blocks; this step proves nothing",
+                outcome.step,
+                ",".join(map(str, outcome.failed_ranks)),
+            )
+        verdicts = ", ".join(
+            f"group {audit.group} {audit.verdict.value}"
+            + (f" within rounding (relative distance {audit.distance:.1e})" if audit.distance else "")
+            for audit in outcome.audits
+        )
+        logger.info(
+            "kvpolicy audit step %d/%d: %d blocks per rank (%s); digest %.2f ms, gather %.2f ms, total %.2f ms%s",
+            outcome.step,
+            state.steps,
+            blocks_per_rank,
+            verdicts or "no verdict",
+            timings.get("digest", 0.0) * 1e3,
+            timings.get("gather", 0.0) * 1e3,
+            seconds * 1e3,
+            f" (values compared: {timings['values'] * 1e3:.2f} ms)" if "values" in timings else "",
+        )
+        for group in outcome.unverified:
+            logger.warning(
+                "kvpolicy audit: group %d (%s) saved only all-zero blocks in %d audited steps; its rule stays "
+                "unverified, and lookups use its shared namespace only where another instance vouched for it",
+                group,
+                outcome.plan.groups[group].name,
+                state.steps,
+            )
+        self.publish_agreements(outcome)
+        if self.place.is_first_rank:
+            self.tally.audit_step(demoted=outcome.demoted)
+            if outcome.plan_changed:
+                self.tally.plan(outcome.plan)
+        if outcome.plan_changed:
+            logger.info("kvpolicy plan after the audit:\n%s", format_plan_table(outcome.plan, audit=state.statuses))
+        if outcome.plan_changed or outcome.agreed or outcome.unverified:
+            self.write_status()
+
+    def publish_demotions(self, outcome: StepOutcome) -> None:
+        """Tell fresh instances of this instance's initial plan which groups this step demoted, so they
+        start demoted (:meth:`start`). First among the speaking rank's side effects: nothing that may
+        fail before it keeps the next instance from the fallback's objects. A store error is logged."""
+        state = self._audit
+        if state is None or not outcome.demoted:
+            return
+        try:
+            write_demotions(
+                self.store, state.initial_plan, outcome.demotions, pcp_rank=self.place.pcp_rank, pp_rank=self.place.pp_rank
+            )
+        except Exception:
+            logger.exception("kvpolicy audit: could not publish the demotion; the next instance audits again")
+
+    def publish_agreements(self, outcome: StepOutcome) -> None:
+        """Vouch for the groups this instance verified (so fresh instances may load them), and withdraw
+        what a demotion disproved. A store error is logged."""
+        state = self._require_audit()
+        agreed = outcome.agreed
+        if outcome.plan_changed:
+            # New fingerprint, new marker keys: vouch again for everything still agreed.
+            agreed = tuple(group for group, status in state.statuses.items() if status is AuditStatus.AGREED)
+        place = self.place
+        try:
+            if outcome.demoted:
+                revoke_agreements(
+                    self.store, outcome.previous_plan, outcome.demoted, pcp_rank=place.pcp_rank, pp_rank=place.pp_rank
+                )
+            if agreed:
+                write_agreements(self.store, outcome.plan, agreed, pcp_rank=place.pcp_rank, pp_rank=place.pp_rank)
+        except Exception:
+            logger.exception("kvpolicy audit: could not update the agreement markers")
+
+    # --- the lookup gate --------------------------------------------------------------------------
+
+    def lookup_allowed(self) -> bool:
+        """Whether a lookup may read the store now: the gate is open (every replicated group verified,
+        here or by another instance's agreement marker). A closed gate counts in the tally; a store
+        that cannot answer closes it (a miss costs a recompute, a wrong hit wrong output)."""
+        state = self._audit
+        if state is None:
+            return True
+        try:
+            is_open = self.gate.open(state, self.store)
+        except Exception:
+            logger.exception("kvpolicy audit: could not check the agreement markers; treating as a miss")
+            is_open = False
+        if is_open:
+            return True
+        if not self._gate_logged:
+            self._gate_logged = True
+            logger.info(
+                "kvpolicy audit: lookups miss until the replication audit verifies groups %s "
+                "(no other instance of plan %s has vouched for them yet)",
+                ", ".join(map(str, state.untrusted_groups())) or "(other pp/pcp stages)",
+                state.plan.fingerprint,
+            )
+        self.tally.lookup_gated()
+        return False

@@ -1,0 +1,524 @@
+"""kvpolicy's surface on vLLM's internals, declared as data, and the touches that go through it.
+
+kvpolicy runs inside vLLM's Mooncake store connector, which offers no public extension API: the
+worker overrides private methods, reads and writes private attributes, calls private helpers,
+rebuilds ``__init__`` without the distributed runtime, and changes the class of a running thread.
+:data:`SURFACE` lists every such name — module, name, kind, parameters — and :data:`REPEATED_INITS`
+the upstream constructors kvpolicy repeats line for line. :func:`drift` compares both with the vLLM
+that is installed; ``tests/vllm/test_vllm_internals.py`` runs it under vLLM 0.32 and 0.33, so an
+upgrade that renames, removes or re-signs one of them fails there, in one message naming each entry.
+
+The touches themselves (binding a plan into upstream's attributes, decorating its threads, calling
+its private helpers, the standalone construction :func:`init_standalone`) are the functions below;
+:mod:`kvpolicy.vllm.send` and :mod:`kvpolicy.vllm.lookup` the code that overrides and
+reads what :data:`SURFACE` declares for them.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import queue
+import textwrap
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "REPEATED_INITS",
+    "Ranks",
+    "init_standalone",
+    "SURFACE",
+    "Internal",
+    "RepeatedInit",
+    "adopt_class",
+    "bind_plan",
+    "decorate_recv_stores",
+    "decorate_send_store",
+    "assignments_and_calls",
+    "drift",
+    "fp8_dtype",
+    "make_mooncake_group_id",
+    "record_operation",
+    "replicate_config_supports_group_ids",
+    "resolve",
+    "tail_key_boundaries",
+]
+
+WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker"
+CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector"
+DATA = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data"
+BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+DECODE_BENCH = "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector"
+
+Kind = Literal["override", "call", "attribute", "constant"]
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One name of vLLM's that kvpolicy relies on."""
+
+    module: str
+    """The module that defines it."""
+    name: str
+    """Its name in the module (``Class.method`` for a method, ``Class.attribute`` for an instance attribute)."""
+    kind: Kind
+    """``override``: kvpolicy overrides it; ``call``: kvpolicy calls it; ``attribute``: an instance
+    attribute upstream sets (``self.x = ...`` in the class) that kvpolicy reads or writes;
+    ``constant``: a module-level value kvpolicy reads."""
+    parameters: str | None
+    """The parameters as ``inspect.signature`` renders them without annotations (None for attributes
+    and constants): an override must accept what upstream passes, a call must pass what it takes."""
+    used_by: str
+    """Where and why kvpolicy touches it."""
+
+
+SURFACE: tuple[Internal, ...] = (
+    # The store worker: the override points the plan answers and the methods around them.
+    Internal(WORKER, "MooncakeStoreWorker.__init__", "call", "(self, vllm_config, kv_cache_config)",
+             "worker: KVPolicyStoreWorker.__init__ runs it after setting what the override points read"),
+    Internal(WORKER, "MooncakeStoreWorker._select_store_layout", "override", "(self, extra_config)",
+             "worker: keeps the store namespace and sharding the plan is made for"),
+    Internal(WORKER, "MooncakeStoreWorker._compute_group_tp_replication_factors", "override", "(self)",
+             "worker: the plan's factors"),
+    Internal(WORKER, "MooncakeStoreWorker._build_token_databases", "override", "(self, metadata, layout_cls)",
+             "worker: the plan's key prefixes and shard ids"),
+    Internal(WORKER, "MooncakeStoreWorker._init_lookup_key_prefixes", "override", "(self)",
+             "worker: the plan's lookup prefixes"),
+    Internal(WORKER, "MooncakeStoreWorker.register_kv_caches", "override", "(self, kv_caches)",
+             "worker: binds the put schedule and decorates the transfer threads after upstream starts them"),
+    Internal(WORKER, "MooncakeStoreWorker.wait_for_save", "override", "(self, metadata)",
+             "worker: the replication audit runs before the save reaches the send thread"),
+    Internal(WORKER, "MooncakeStoreWorker.get_kv_connector_stats", "override", "(self)",
+             "worker: kvpolicy's counters beside upstream's telemetry"),
+    Internal(WORKER, "MooncakeStoreWorker.lookup", "override", "(self, num_tokens, block_hashes)",
+             "worker/lookup: the gate, read-failure masking, minimal probing"),
+    Internal(WORKER, "MooncakeStoreWorker._record_kv_connector_operation", "call",
+             "(self, operation, duration_seconds, num_keys, *, num_bytes=0, status='ok', num_failed_keys=0)",
+             "record_operation: audit steps and lookups in vLLM's connector stats"),
+    Internal(WORKER, "MooncakeStoreWorker._tail_key_boundaries", "call", "(self, block_hashes, hit_length, cached_block_pool)",
+             "lookup: upstream's tail boundaries of a hit"),
+    Internal(WORKER, "MooncakeStoreWorker._group_tp_replication_factors", "attribute", None,
+             "bind_plan: the factors after a re-plan"),
+    Internal(WORKER, "MooncakeStoreWorker._lookup_key_prefixes", "attribute", None,
+             "bind_plan, lookup: the lookup prefixes"),
+    Internal(WORKER, "MooncakeStoreWorker._kv_cache_groups", "attribute", None, "worker, lookup: the groups' specs"),
+    Internal(WORKER, "MooncakeStoreWorker._kv_cache_config", "attribute", None, "worker: the layout the plan is made of"),
+    Internal(WORKER, "MooncakeStoreWorker._capacity_only", "attribute", None,
+             "worker, lookup: a capacity-only instance transfers no KV"),
+    Internal(WORKER, "MooncakeStoreWorker._mem_pool", "attribute", None, "standalone: no custom pool off CUDA"),
+    Internal(WORKER, "MooncakeStoreWorker._is_hma_required", "attribute", None, "standalone"),
+    Internal(WORKER, "MooncakeStoreWorker._supports_group_ids", "attribute", None, "standalone"),
+    Internal(WORKER, "MooncakeStoreWorker._kv_connector_stats_lock", "attribute", None, "standalone"),
+    Internal(WORKER, "_replicate_config_supports_group_ids", "call", "(replicate_config_cls, replicate_config)",
+             "standalone: as upstream's __init__ decides group semantics"),
+    Internal(WORKER, "_make_mooncake_group_id", "call", "(metadata, chunk_hash)",
+             "send: the group ids of boundary puts riding on a chunk save"),
+    Internal(WORKER, "MOONCAKE_NO_AVAILABLE_HANDLE", "constant", None, "send: store pressure on a failed boundary put"),
+    # The send thread: kvpolicy's MergedSaveSendingThread overrides and calls these.
+    Internal(WORKER, "KVCacheStoreSendingThread._handle_request", "call", "(self, req_meta)",
+             "send: the run loop calls it per job; the merged-save class keeps it"),
+    Internal(WORKER, "KVCacheStoreSendingThread._maybe_offload_boundary_states", "override", "(self, req_meta)",
+             "send: defers boundary puts to the chunk save"),
+    Internal(WORKER, "KVCacheStoreSendingThread.finish_store_job", "override", "(self, req_meta)",
+             "send: settles boundary puts no chunk save carried"),
+    Internal(WORKER, "KVCacheStoreSendingThread._record_operation", "override",
+             "(self, operation, start_time, num_keys, *, num_bytes=0, status='ok', num_failed_keys=0)",
+             "send: counts the boundary keys that rode on a call"),
+    Internal(WORKER, "KVCacheStoreSendingThread.store", "attribute", None, "decorate_send_store"),
+    Internal(WORKER, "KVCacheStoreSendingThread.tp_rank", "attribute", None, "bind_plan: the stripe rank"),
+    Internal(WORKER, "KVCacheStoreSendingThread.group_put_steps", "attribute", None, "bind_plan: the put schedule"),
+    Internal(WORKER, "KVCacheStoreSendingThread.group_participates", "attribute", None, "bind_plan: who puts a group"),
+    Internal(WORKER, "KVCacheStoreRecvingThread.store", "attribute", None, "decorate_recv_stores"),
+    Internal(WORKER, "MooncakeStoreWorker.kv_send_thread", "attribute", None, "worker: the thread to decorate"),
+    Internal(WORKER, "MooncakeStoreWorker.kv_recv_threads", "attribute", None, "worker: the threads to decorate"),
+    Internal(WORKER, "MooncakeStoreWorker.token_dbs", "attribute", None, "bind_plan: replaced in place"),
+    Internal(WORKER, "KVCacheStoreSendingThread._boundary_puts", "call", "(self, req_meta)", "send"),
+    Internal(WORKER, "KVCacheStoreSendingThread._mark_request_skipped_for_pressure", "call", "(self, req_meta)", "send"),
+    # Token databases: re-built on a re-plan with the registered regions kept.
+    Internal(DATA, "ChunkedTokenDatabase.set_kv_caches_base_addr", "call", "(self, kv_caches_base_addr)", "bind_plan"),
+    Internal(DATA, "ChunkedTokenDatabase.set_block_len", "call", "(self, block_len)", "bind_plan"),
+    Internal(DATA, "ChunkedTokenDatabase.prepare_value_for_block", "call", "(self, block_id)",
+             "audit: the regions a block's put would write"),
+    # The connector: the worker role is rebuilt to construct kvpolicy's worker.
+    Internal(CONNECTOR, "MooncakeStoreConnector.__init__", "call", "(self, vllm_config, role, kv_cache_config=None)",
+             "connector: the scheduler role runs it; REPEATED_INITS holds the worker role to it"),
+    Internal(CONNECTOR, "MooncakeStoreConnector._validate_kv_cache_config", "call", "(vllm_config, kv_cache_config)",
+             "connector: the worker role validates as upstream does"),
+    Internal(BASE, "KVConnectorBase_V1.__init__", "call", "(self, vllm_config, role, kv_cache_config)",
+             "connector: the worker role's base initialisation"),
+    # The audit: vLLM's own answer to which fp8 type a uint8 KV cache holds.
+    Internal(DECODE_BENCH, "_get_fp8_dtype", "call", "(spec, cache_dtype)", "fp8_dtype: the audit's value comparison"),
+)
+"""Every private or internal name of vLLM's that kvpolicy relies on (public methods it overrides too)."""
+
+
+@dataclass(frozen=True)
+class RepeatedInit:
+    """An upstream constructor kvpolicy repeats line for line (it cannot call it), held to every
+    ``self.x =`` and ``self.f()`` of upstream's."""
+
+    upstream: str
+    """``module:Class.__init__`` of vLLM's."""
+    ours: str
+    """``module:function`` of kvpolicy's that repeats it."""
+    receiver: str
+    """What ``ours`` calls the instance (``self`` or ``worker``)."""
+    replaced: tuple[tuple[str, str], ...] = ()
+    """Upstream statements ``ours`` leaves out on purpose, each with the reason."""
+
+
+REPEATED_INITS: tuple[RepeatedInit, ...] = (
+    RepeatedInit(
+        f"{WORKER}:MooncakeStoreWorker.__init__", "kvpolicy.vllm.internals:init_standalone", "worker",
+        replaced=(("self._create_mem_pool()", "custom_mem_pool is CUDA-only; the standalone worker sets _mem_pool = None"),),
+    ),
+    RepeatedInit(
+        f"{CONNECTOR}:MooncakeStoreConnector.__init__", "kvpolicy.vllm.connector:KVPolicyConnector._init_worker_role",
+        "self",
+    ),
+)
+"""Constructors kvpolicy rebuilds: the standalone worker (no distributed runtime, no segment mounted)
+and the connector's worker role (builds kvpolicy's worker instead of upstream's)."""
+
+
+# --- the drift check -------------------------------------------------------------------------------
+
+
+def resolve(module: str, name: str) -> Any:
+    """``module``'s ``name`` (dotted for a class member)."""
+    found: Any = importlib.import_module(module)
+    for part in name.split("."):
+        found = getattr(found, part)
+    return found
+
+
+def _parameters(function: Callable[..., Any]) -> str:
+    signature = inspect.signature(function)
+    bare = signature.replace(
+        parameters=[parameter.replace(annotation=inspect.Parameter.empty) for parameter in signature.parameters.values()],
+        return_annotation=inspect.Signature.empty,
+    )
+    return str(bare)
+
+
+def _sets_attribute(cls: type, attribute: str) -> bool:
+    """``self.<attribute> =`` somewhere in ``cls`` or a base class of it."""
+    for klass in inspect.getmro(cls):
+        if klass is object:
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        if f"self.{attribute} =" in assignments_and_calls_in(source, "self"):
+            return True
+    return False
+
+
+def _entry_drift(entry: Internal) -> str | None:
+    where = f"{entry.module}.{entry.name}"
+    if entry.kind == "attribute":
+        owner, _, attribute = entry.name.rpartition(".")
+        try:
+            cls = resolve(entry.module, owner)
+        except (ImportError, AttributeError):
+            return f"{where}: {owner} is gone"
+        return None if _sets_attribute(cls, attribute) else f"{where}: upstream no longer sets self.{attribute}"
+    try:
+        found = resolve(entry.module, entry.name)
+    except (ImportError, AttributeError):
+        return f"{where}: is gone"
+    if entry.parameters is None:
+        return None
+    if not callable(found):
+        return f"{where}: is no longer callable"
+    parameters = _parameters(found)
+    if parameters != entry.parameters:
+        return f"{where}: parameters were {entry.parameters}, are now {parameters} ({entry.used_by})"
+    return None
+
+
+def assignments_and_calls_in(source: str, receiver: str) -> set[str]:
+    """``self.x =`` (tuple targets included) and ``self.f()`` in ``source``, spelled with ``self``
+    whatever the receiver's name."""
+
+    def attribute_of(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == receiver:
+            return node.attr
+        return None
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            flat = [item for target in targets for item in (target.elts if isinstance(target, ast.Tuple) else [target])]
+            found.update(f"self.{name} =" for name in map(attribute_of, flat) if name)
+        elif isinstance(node, ast.Call) and (name := attribute_of(node.func)):
+            found.add(f"self.{name}()")
+    return found
+
+
+def assignments_and_calls(function: Callable[..., object], receiver: str) -> set[str]:
+    """:func:`assignments_and_calls_in` of ``function``'s source."""
+    return assignments_and_calls_in(textwrap.dedent(inspect.getsource(function)), receiver)
+
+
+def _repeated_drift(repeated: RepeatedInit) -> list[str]:
+    module, _, name = repeated.upstream.partition(":")
+    ours_module, _, ours_name = repeated.ours.partition(":")
+    try:
+        upstream = assignments_and_calls(resolve(module, name), "self")
+    except (ImportError, AttributeError):
+        return [f"{module}.{name}: is gone (repeated by {repeated.ours})"]
+    ours = assignments_and_calls(resolve(ours_module, ours_name), repeated.receiver)
+    replaced = {statement for statement, _ in repeated.replaced}
+    missing = sorted(upstream - ours - replaced)
+    stale = sorted(replaced - upstream)
+    problems = [f"{module}.{name}: `{statement}` is not repeated by {repeated.ours}" for statement in missing]
+    problems += [f"{module}.{name}: no longer has `{statement}` that {repeated.ours} replaces" for statement in stale]
+    return problems
+
+
+def drift(
+    surface: Iterable[Internal] = SURFACE, repeated: Sequence[RepeatedInit] = REPEATED_INITS
+) -> list[str]:
+    """Every way the installed vLLM differs from the declared surface, one line each (empty: none)."""
+    problems = [problem for entry in surface if (problem := _entry_drift(entry)) is not None]
+    for constructor in repeated:
+        problems.extend(_repeated_drift(constructor))
+    return problems
+
+
+# --- the standalone construction -------------------------------------------------------------------
+#
+# ``MooncakeStoreWorker.__init__`` reads its ranks off the parallel groups, mounts a Mooncake segment
+# from ``MOONCAKE_CONFIG_PATH`` and starts a ZMQ lookup server on rank 0: none of that exists in one
+# process that plays several ranks. :func:`init_standalone` sets the same attributes, in the same
+# order, from values given to it, then calls the same override points (REPEATED_INITS holds it to
+# upstream's ``__init__``).
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """One worker's place in the parallel groups: what upstream's ``__init__`` asks torch.distributed."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int = 0
+    pp_size: int = 1
+    pcp_rank: int = 0
+    pcp_size: int = 1
+    dcp_rank: int = 0
+    dcp_size: int = 1
+    dp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "pcp", "dcp"):
+            rank, size = getattr(self, f"{name}_rank"), getattr(self, f"{name}_size")
+            if size < 1 or not 0 <= rank < size:
+                raise ValueError(f"{name} rank {rank} is outside a group of size {size}")
+
+    @property
+    def is_first(self) -> bool:
+        """Global rank 0 of the instance (``parallel_config.rank == 0``): it reports plans and layouts."""
+        return self.tp_rank == 0 and self.pp_rank == 0 and self.pcp_rank == 0 and self.dcp_rank == 0
+
+
+def init_standalone(
+    worker: Any,
+    vllm_config: Any,
+    kv_cache_config: Any,
+    *,
+    ranks: Ranks,
+    store: Any,
+    model: str,
+    total_num_kv_heads: int,
+) -> None:
+    """Set ``worker`` up as ``MooncakeStoreWorker.__init__`` does, with ``ranks`` and ``store`` given.
+
+    Differences, each because the part cannot exist here: ``store`` is used as given (no segment is
+    mounted from a config file); there is no lookup server (call ``worker.lookup`` directly, as the
+    server does on rank 0); no custom memory pool (CUDA-only); no disk-offload budget (no store
+    config file to enable it); ``num_layers`` counts the KV-cache config's layers (no model config).
+    """
+    import vllm.envs as envs
+    from mooncake.store import ReplicateConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import rdma_utils
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import MooncakeStoreCoordinator
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import KeyMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import MooncakeStoreConnectorStats
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    from kvpolicy.keys import model_basename
+
+    worker.dp_rank = ranks.dp_rank
+    worker.tp_rank = ranks.tp_rank
+    worker.tp_size = ranks.tp_size
+    worker.pp_size = ranks.pp_size
+    worker.pp_rank = ranks.pp_rank
+    worker.pcp_size = ranks.pcp_size
+    worker.pcp_rank = ranks.pcp_rank
+    worker.dcp_size = ranks.dcp_size
+    worker.dcp_rank = ranks.dcp_rank
+
+    transfer_config = vllm_config.kv_transfer_config
+    if transfer_config is None or transfer_config.kv_role is None:
+        raise ValueError("the vLLM config has no kv_transfer_config with a kv_role")
+    worker.kv_role = transfer_config.kv_role
+    extra_config = transfer_config.kv_connector_extra_config
+    worker.can_put = worker.kv_role in ("kv_producer", "kv_both") or extra_config.get("save_decode_cache", False)
+    worker.load_async = extra_config.get("load_async", True)
+    worker._capacity_only = (
+        worker.kv_role == "kv_consumer" and not extra_config.get("enable_lookup", True) and not worker.can_put
+    )
+    worker.cache_config = vllm_config.cache_config
+    worker._is_hma_required = len(kv_cache_config.kv_cache_groups) > 1
+    worker.block_size, worker.hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    worker.num_layers = sum(len(group.layer_names) for group in kv_cache_config.kv_cache_groups)
+    worker.num_kv_head = total_num_kv_heads
+
+    worker._mem_pool = None
+    worker.store = store
+    worker.preferred_segment = rdma_utils.get_configured_preferred_segment(extra_config)
+    worker.store_replicate_config = ReplicateConfig()
+    worker.enable_group_semantics = str(extra_config.get("enable_group_semantics", "False")).strip().lower() == "true"
+    worker._supports_group_ids = replicate_config_supports_group_ids(ReplicateConfig, worker.store_replicate_config)
+    if worker.preferred_segment is not None:
+        worker.store_replicate_config.preferred_segment = worker.preferred_segment
+    worker.disk_offload_buffer_budget_bytes = None
+
+    worker.lookup_server = None
+    events = vllm_config.kv_events_config
+    worker.enable_kv_events = bool(events and events.enable_kv_cache_events)
+
+    worker.kv_send_thread = None
+    worker.kv_recv_threads = []
+    worker.num_recv_threads = max(1, envs.VLLM_MOONCAKE_LOAD_RECV_THREADS)
+    worker.recv_request_queue = queue.Queue()
+    worker.finished_store_req = set()
+    worker._kv_connector_stats_lock = threading.Lock()
+    worker.kv_connector_stats = MooncakeStoreConnectorStats()
+    worker._kv_cache_config = kv_cache_config
+    worker.token_dbs = []
+    if worker._capacity_only:
+        return
+
+    worker.coord = MooncakeStoreCoordinator.from_kv_cache_config(
+        kv_cache_config, vllm_config, worker.block_size, worker.hash_block_size
+    )
+    worker._kv_cache_groups = worker.coord.kv_cache_groups
+    worker.store_tp_size, store_namespace, store_layout_cls = worker._select_store_layout(extra_config)
+    metadata = KeyMetadata(
+        model_name=model_basename(model),
+        tp_rank=worker.tp_rank,
+        pcp_rank=worker.pcp_rank,
+        dcp_rank=worker.dcp_rank,
+        pp_rank=worker.pp_rank,
+        cache_prefix=str(extra_config.get("cache_prefix", "")),
+        store_namespace=store_namespace,
+    )
+    worker._group_tp_replication_factors = worker._compute_group_tp_replication_factors()
+    worker.token_dbs = worker._build_token_databases(metadata, store_layout_cls)
+    worker._init_lookup_key_prefixes()
+
+
+# --- the touches -----------------------------------------------------------------------------------
+
+
+def adopt_class(instance: Any, cls: type) -> None:
+    """Make ``instance`` (one of vLLM's, already running) an instance of ``cls``, a subclass of its class.
+
+    Why not composition: upstream builds and starts its send thread inside ``register_kv_caches``
+    (no factory or hook takes a class), and the thread's ``run`` loop calls ``self._handle_request``
+    and, from there, ``self._maybe_offload_boundary_states`` / ``self._record_operation`` on the
+    thread object itself; a wrapper object would never be called. Only the class of that object
+    changes what those calls reach, so the swap stays, here, on a subclass that adds no slots."""
+    if not isinstance(instance, cls.__mro__[1]):
+        raise TypeError(f"expected an instance of {cls.__mro__[1].__name__}, got {type(instance).__name__}")
+    instance.__class__ = cls
+
+
+def bind_plan(
+    worker: Any,
+    factors: tuple[int, ...],
+    *,
+    token_databases: list[Any] | None,
+    lookup_key_prefixes: Any,
+    send_rank: int,
+    put_steps: Any,
+    participates: Any,
+) -> None:
+    """Write a plan into upstream's attributes: the factors, the token databases (``token_databases``
+    replace the worker's, keeping the regions registered in them; None keeps them), the lookup
+    prefixes, and the send thread's stripe rank, put steps and participation. Call it while no save
+    or load is in flight: the transfer threads read all of these per job."""
+    worker._group_tp_replication_factors = factors
+    if token_databases is not None:
+        for database, previous in zip(token_databases, worker.token_dbs, strict=True):
+            database.set_kv_caches_base_addr(list(previous.kv_caches_base_addr))
+            database.set_block_len(list(previous.block_len))
+        # The same list object: the transfer threads hold it.
+        worker.token_dbs[:] = token_databases
+    worker._lookup_key_prefixes = lookup_key_prefixes
+    thread = worker.kv_send_thread
+    if thread is not None:
+        thread.tp_rank = send_rank
+        thread.group_put_steps = put_steps
+        thread.group_participates = participates
+
+
+def decorate_send_store(worker: Any, wrap: Callable[[Any], Any]) -> None:
+    """Replace the send thread's store client by ``wrap(client)`` (no thread: nothing)."""
+    thread = worker.kv_send_thread
+    if thread is not None:
+        thread.store = wrap(thread.store)
+
+
+def decorate_recv_stores(worker: Any, wrap: Callable[[Any], Any]) -> None:
+    """Replace every receive thread's store client by ``wrap(client)``; the last decoration is outermost."""
+    for thread in worker.kv_recv_threads:
+        thread.store = wrap(thread.store)
+
+
+def record_operation(
+    worker: Any, operation: str, seconds: float, num_keys: int, *, num_bytes: int = 0, status: str = "ok",
+    num_failed_keys: int = 0,
+) -> None:
+    """One operation in vLLM's connector stats (upstream's private recorder)."""
+    worker._record_kv_connector_operation(
+        operation, seconds, num_keys, num_bytes=num_bytes, status=status, num_failed_keys=num_failed_keys
+    )
+
+
+def fp8_dtype(spec: Any, cache_dtype: str) -> Any:
+    """vLLM's fp8 element type of a layer's ``uint8`` KV cache (``_get_fp8_dtype``), or None; None
+    too should a release drop it (every ``uint8`` cache is then compared by exact digests)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import _get_fp8_dtype
+    except ImportError:
+        return None
+    return _get_fp8_dtype(spec, cache_dtype)
+
+
+def replicate_config_supports_group_ids(replicate_config_cls: type, replicate_config: Any) -> bool:
+    """Upstream's test of whether Mooncake's ``ReplicateConfig`` takes group ids."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import (
+        _replicate_config_supports_group_ids,
+    )
+
+    return _replicate_config_supports_group_ids(replicate_config_cls, replicate_config)
+
+
+def tail_key_boundaries(worker: Any, block_hashes: Any, hit_length: int, cached_block_pool: Any) -> Any:
+    """Upstream's tail-key boundaries of a lookup hit (``_tail_key_boundaries``)."""
+    return worker._tail_key_boundaries(block_hashes, hit_length, cached_block_pool)
+
+
+def make_mooncake_group_id(metadata: Any, chunk_hash: str) -> str:
+    """Upstream's Mooncake group id of a chunk."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import _make_mooncake_group_id
+
+    return _make_mooncake_group_id(metadata, chunk_hash)
