@@ -11,6 +11,11 @@ Each check moves real bytes and compares them byte for byte:
   bf16 and fp8 (e4m3, e5m2; stored as ``uint8`` as vLLM stores them): digests equal to the host path's,
   a replica agrees, a distinct shard and a one-ulp replica differ in digest, and their sampled values are
   apart by more than, and within, the format's tolerance.
+- ``striped``: a ``load: striped`` load between two processes through the product's
+  :class:`~kvpolicy.device.striped.StripedReadStore`: each reads its stripe from Mooncake into device KV
+  tensors, gathers it into one staging buffer, and exchanges it with the other over gloo; every block
+  must hold its object's bytes, and each rank must receive no more than its share. (On CPU tensors the
+  check forces the device path: device staging copied to and from the host once per piece.)
 - ``mooncake``: a loopback ``mooncake_master`` and a store client; device tensors registered with
   ``register_buffer``, written with ``batch_put_from_multi_buffers`` from several regions per key and read
   back with ``batch_get_into_multi_buffers`` into other device tensors (Mooncake reads and writes device
@@ -101,14 +106,12 @@ MOONCAKE_REGION_BYTES = 256 * 1024
 
 
 @contextlib.contextmanager
-def loopback_stores() -> Iterator[tuple[Any, Any]]:
-    """A Mooncake master on 127.0.0.1 and two store clients of it, all stopped on exit: whichever segment
-    an object lands in, one of the two moves it through the transfer engine rather than a local copy."""
+def loopback_master() -> Iterator[Any]:
+    """A Mooncake master on 127.0.0.1, stopped on exit; :class:`Skip` where Mooncake is not installed."""
     try:
         import mooncake.store  # noqa: F401
     except (ImportError, OSError) as error:
         raise Skip(f"mooncake.store does not import: {error} (kvpolicy doctor says which library is missing)")
-    from kvpolicy.mooncake.client import store_client
     from kvpolicy.mooncake.master import MooncakeMaster, MooncakeUnavailable
 
     try:
@@ -116,11 +119,21 @@ def loopback_stores() -> Iterator[tuple[Any, Any]]:
     except MooncakeUnavailable as error:
         raise Skip(f"no mooncake_master: {error}")
     try:
+        yield master
+    finally:
+        master.stop()
+
+
+@contextlib.contextmanager
+def loopback_stores() -> Iterator[tuple[Any, Any]]:
+    """Two store clients of a loopback master, closed on exit: whichever segment an object lands in, one
+    of the two moves it through the transfer engine rather than a local copy."""
+    from kvpolicy.mooncake.client import store_client
+
+    with loopback_master() as master:
         config = master.client_config(segment_mib=32)
         with store_client(config) as writer, store_client(config) as reader:
             yield writer, reader
-    finally:
-        master.stop()
 
 
 @contextlib.contextmanager
@@ -264,9 +277,128 @@ def check_audit(device: Any) -> str:
     return f"{len(audited[0])} blocks x {AUDIT_LAYERS} layers per cache; " + "; ".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------- striped
+
+STRIPED_RANKS = 2
+STRIPED_KEYS = 9
+STRIPED_LAYERS = 3
+STRIPED_BLOCKS = 32
+STRIPED_BLOCK_BYTES = 64 * 1024
+
+
+def striped_object(key: str) -> bytes:
+    import random
+
+    return random.Random(key).randbytes(STRIPED_LAYERS * STRIPED_BLOCK_BYTES)
+
+
+def striped_request(prefix: str, tensors: list[Any]) -> tuple[list[str], list[list[int]], list[list[int]]]:
+    """Keys, region addresses and sizes as vLLM's receive thread hands them to the store: key ``k`` fills
+    block ``2k + 1`` of every layer (a layer-outermost cache, one region per layer)."""
+    keys = [f"{prefix}@{chunk:016x}" for chunk in range(STRIPED_KEYS)]
+    addrs = [[tensor[2 * chunk + 1].data_ptr() for tensor in tensors] for chunk in range(STRIPED_KEYS)]
+    sizes = [[STRIPED_BLOCK_BYTES] * len(tensors) for _ in keys]
+    return keys, addrs, sizes
+
+
+def striped_rank(rank: int, device_name: str, master: str, init_method: str, prefix: str, outcome: Any) -> None:
+    """One TP rank in a process of its own: device KV tensors registered with a Mooncake client, a striped
+    load through the product's StripedReadStore, stripes exchanged with the other rank over gloo."""
+    import torch
+
+    from kvpolicy.device.striped import KVStorages, StripedReadStore, gloo_exchange
+    from kvpolicy.mooncake.client import ClientConfig, MiB, connect_store
+
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=STRIPED_RANKS)
+    client = connect_store(ClientConfig(master_server_address=master, global_segment_size=16 * MiB,
+                                        local_buffer_size=4 * MiB))
+    try:
+        tensors = [torch.zeros(STRIPED_BLOCKS, STRIPED_BLOCK_BYTES, dtype=torch.uint8, device=device)
+                   for _ in range(STRIPED_LAYERS)]
+        for tensor in tensors:
+            if client.register_buffer(tensor.data_ptr(), tensor.numel()) != 0:
+                raise RuntimeError(f"register_buffer of a {device.type} tensor failed")
+        store = StripedReadStore(
+            client, tp_rank=rank, group_of_key=lambda key: 0, replica_set_of=lambda group: tuple(range(STRIPED_RANKS)),
+            exchange=gloo_exchange(list(range(STRIPED_RANKS)), timeout_s=60), storages=KVStorages(tensors),
+            # On CPU tensors, take the path a GPU takes (device staging, one copy to and from the host).
+            stage_through_host=True if device.type == "cpu" else None,
+        )
+        keys, addrs, sizes = striped_request(prefix, tensors)
+        results = list(store.batch_get_into_multi_buffers(keys, addrs, sizes))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wrong = []
+        for chunk, key in enumerate(keys):
+            got = b"".join(bytes(tensor[2 * chunk + 1].cpu().numpy()) for tensor in tensors)
+            if results[chunk] < 0 or got != striped_object(key):
+                wrong.append(f"{key} (result {results[chunk]})")
+        torch.distributed.barrier()
+        for tensor in tensors:
+            client.unregister_buffer(tensor.data_ptr())
+        outcome.put((rank, wrong, dataclasses.asdict(store.counts)))
+    except BaseException as error:
+        outcome.put((rank, [f"{type(error).__name__}: {error}"], {}))
+        raise
+    finally:
+        client.close()
+        torch.distributed.destroy_process_group()
+
+
+def check_striped(device: Any) -> str:
+    """A striped load between two processes: each rank reads its stripe of a replicated group from Mooncake
+    into device KV tensors and receives the other's stripe over gloo, staged through one buffer per piece."""
+    import multiprocessing
+    import tempfile
+    import uuid
+
+    from kvpolicy.mooncake.client import store_client
+
+    with loopback_master() as master, store_client(master.client_config(segment_mib=32)) as writer:
+        prefix = f"gpu-check-striped-{uuid.uuid4().hex[:8]}"
+        keys, _, _ = striped_request(prefix, [])  # only the keys
+        for key in keys:
+            if writer.put(key, striped_object(key)) != 0:
+                raise WrongBytes(f"put of {key} failed")
+        context = multiprocessing.get_context("spawn")
+        outcome = context.Queue()
+        with tempfile.TemporaryDirectory() as scratch:
+            init = f"file://{scratch}/gloo-init"
+            processes = [
+                context.Process(target=striped_rank, args=(rank, str(device), master.rpc_address, init, prefix, outcome))
+                for rank in range(STRIPED_RANKS)
+            ]
+            for process in processes:
+                process.start()
+            try:
+                reports = sorted(outcome.get(timeout=180) for _ in processes)
+            finally:
+                for process in processes:
+                    process.join(60)
+                    if process.is_alive():
+                        process.kill()
+    wrong = [problem for _, problems, _ in reports for problem in problems]
+    if wrong:
+        raise WrongBytes(f"{len(wrong)} keys wrong or failed, first: {wrong[0]}")
+    parts = []
+    for rank, _, counts in reports:
+        ratio = counts["bytes_received"] / counts["bytes_loaded"]
+        if ratio > (STRIPED_RANKS - 1) / STRIPED_RANKS + 1 / STRIPED_KEYS:
+            raise WrongBytes(f"rank {rank} received {ratio:.2f} of its load, more than its share")
+        parts.append(
+            f"rank {rank}: read {counts['keys_read']}, received {counts['keys_received']} ({ratio:.2f} of the load), "
+            f"{counts['device_to_host_copies']}+{counts['host_to_device_copies']} bulk copies"
+        )
+    return f"{STRIPED_KEYS} keys x {STRIPED_LAYERS} layers of {STRIPED_BLOCK_BYTES // 1024} KiB, replica set of 2 over gloo; " + "; ".join(parts)
+
+
 CHECKS: dict[str, Callable[[Any], str]] = {
     "mooncake": check_mooncake,
     "audit": check_audit,
+    "striped": check_striped,
 }
 
 

