@@ -22,7 +22,7 @@ is a failed get on every member). The payload is laid out slot-major (the first 
 then the second, ...): on an engine a slot is one KV-cache tensor, so the gather and the scatter are
 one indexed copy per tensor (:func:`index_runs`) instead of one copy per region.
 
-Nothing here imports vLLM or torch; :mod:`kvpolicy.vllm.striped` runs the schedule on tensors.
+Nothing here imports vLLM or torch; :mod:`kvpolicy.device.striped` runs the schedule on tensors.
 """
 
 from __future__ import annotations
