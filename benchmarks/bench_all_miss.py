@@ -73,6 +73,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median_ci, table, verdict  # noqa: E402
 from bench_e2e import Engine  # noqa: E402
 
+from kvpolicy.settings import KVPolicySettings  # noqa: E402
+
 TTFT_TARGET = 1.03
 """kvpolicy TTFT / no-connector TTFT at most this."""
 THROUGHPUT_TARGET = 0.97
@@ -83,12 +85,7 @@ LEASE_TTL_MS = 120_000
 """As in bench_e2e.py: Mooncake's default 10 s lease has expired mid-load on this loaded machine."""
 TICKS = os.sysconf("SC_CLK_TCK")
 
-KVPOLICY = {
-    "kv_connector": "KVPolicyConnector",
-    "kv_connector_module_path": "kvpolicy.vllm",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {"kvpolicy": "default"},
-}
+KVPOLICY = KVPolicySettings(kvpolicy="default").kv_transfer_config()
 ENGINES: dict[str, dict[str, Any]] = {
     "none": {"config": None, "lookups": False, "saves": False},
     "stock": {

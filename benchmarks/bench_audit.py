@@ -58,6 +58,7 @@ def engine_part(args: argparse.Namespace) -> None:
     from kvpolicy.harness.e2e import SegmentHolder, engine_store_config, fixed_prompt, serve_once
     from kvpolicy.harness.tinymodel import make_tiny_llama
     from kvpolicy.mooncake import MooncakeMaster
+    from kvpolicy.settings import KVPolicySettings
 
     prompt = fixed_prompt(args.tokens, seed=4096)
     rows = []
@@ -80,12 +81,7 @@ def engine_part(args: argparse.Namespace) -> None:
                             model,
                             prompt,
                             tp_size=tp_size,
-                            kv_transfer_config={
-                                "kv_connector": "KVPolicyConnector",
-                                "kv_connector_module_path": "kvpolicy.vllm",
-                                "kv_role": "kv_both",
-                                "kv_connector_extra_config": {"kvpolicy": str(policies[mode])},
-                            },
+                            kv_transfer_config=KVPolicySettings(kvpolicy=str(policies[mode])).kv_transfer_config(),
                             mooncake_config_path=config,
                             max_tokens=1,
                             logprobs=1,

@@ -47,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import REPO, median_ci, table, verdict  # noqa: E402
 
+from kvpolicy.settings import KVPolicySettings  # noqa: E402
+
 TARGET = 0.98
 BLOCK_SIZE = 32
 LEASE_TTL_MS = 120_000
@@ -55,12 +57,7 @@ end-to-end tests; the benchmark's master gets the same long lease they use."""
 
 CONNECTORS: dict[str, dict[str, Any]] = {
     "stock": {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both", "kv_connector_extra_config": {}},
-    "kvpolicy": {
-        "kv_connector": "KVPolicyConnector",
-        "kv_connector_module_path": "kvpolicy.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kvpolicy": "vllm-compat"},
-    },
+    "kvpolicy": KVPolicySettings(kvpolicy="vllm-compat").kv_transfer_config(),
 }
 
 

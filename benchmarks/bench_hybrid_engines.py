@@ -31,6 +31,7 @@ from kvpolicy.harness.e2e import SegmentHolder, engine_store_config, fixed_promp
 from kvpolicy.harness.tinymodel import ARCHITECTURES, HYBRIDS, make_tiny_model
 from kvpolicy.loader import load_layout, load_policy
 from kvpolicy.mooncake.master import MooncakeMaster
+from kvpolicy.settings import KVPolicySettings
 from kvpolicy.traffic import prompt_traffic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,16 +54,9 @@ def run(arch: str, policy_label: str, master: MooncakeMaster, store_config: Path
         make_tiny_model(arch, model, num_kv_heads=1)
     prompt = fixed_prompt(PROMPT_TOKENS[arch])
     layout_path = workdir / f"{arch}-{policy_label}-layout.yaml"
-    config = {
-        "kv_connector": "KVPolicyConnector",
-        "kv_connector_module_path": "kvpolicy.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "kvpolicy": POLICIES[policy_label],
-            "cache_prefix": policy_label,
-            "kvpolicy_layout_out": str(layout_path),
-        },
-    }
+    config = KVPolicySettings(kvpolicy=POLICIES[policy_label], kvpolicy_layout_out=layout_path).kv_transfer_config(
+        upstream_extra={"cache_prefix": policy_label}
+    )
     cold, warm = (
         serve_once(
             model,

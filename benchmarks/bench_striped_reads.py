@@ -272,9 +272,10 @@ def engines(args: argparse.Namespace) -> dict[str, Any]:
     """Warm latency of two TP=2 engines, per-rank vs striped, driven in lockstep."""
     from bench_e2e import LEASE_TTL_MS, Engine, _engine_env, _prompts
 
-    from kvpolicy.mooncake import MooncakeMaster
     from kvpolicy.harness.e2e import SegmentHolder, engine_env, engine_store_config
     from kvpolicy.harness.tinymodel import make_tiny_llama
+    from kvpolicy.mooncake import MooncakeMaster
+    from kvpolicy.settings import KVPolicySettings
 
     results: dict[str, list[dict[str, Any]]] = {"per-rank": [], "striped": []}
     with tempfile.TemporaryDirectory(prefix="kvpolicy-bench-striped-") as directory:
@@ -294,14 +295,9 @@ def engines(args: argparse.Namespace) -> dict[str, Any]:
                         spec = {
                             "model": str(model),
                             "tp": 2,
-                            "kv_transfer_config": {
-                                "kv_connector": "KVPolicyConnector",
-                                "kv_connector_module_path": "kvpolicy.vllm",
-                                "kv_role": "kv_both",
-                                "kv_connector_extra_config": {
-                                    "kvpolicy": str(path), "cache_prefix": f"bench-{name}-{uuid.uuid4().hex[:8]}",
-                                },
-                            },
+                            "kv_transfer_config": KVPolicySettings(kvpolicy=str(path)).kv_transfer_config(
+                                upstream_extra={"cache_prefix": f"bench-{name}-{uuid.uuid4().hex[:8]}"}
+                            ),
                             "max_tokens": 1,
                             "max_model_len": 512,
                             "warmup_prompts": _prompts(4, args.prompt_len, seed=30_000),

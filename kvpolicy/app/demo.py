@@ -22,6 +22,7 @@ from kvpolicy.models import Policy, Topology
 from kvpolicy.mooncake import MooncakeMaster
 from kvpolicy.mooncake.native_log import native_stderr_to
 from kvpolicy.report import format_plan_table
+from kvpolicy.settings import KVPolicySettings
 
 HYBRID_LAYOUT = "kimi-linear-48b-a3b"
 HYBRID_ARCHETYPE = "kimi-linear"
@@ -180,12 +181,7 @@ def _engine_run(master: MooncakeMaster) -> bool:
 def _cold_and_warm(serve, model, prompt, store_config, master, *, tp_size, dtype, hybrid) -> bool:  # noqa: ANN001
     verdicts = []
     for label, policy, must_match in _engine_policies():
-        config = {
-            "kv_connector": "KVPolicyConnector",
-            "kv_connector_module_path": "kvpolicy.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"kvpolicy": policy, "cache_prefix": label},
-        }
+        config = KVPolicySettings(kvpolicy=policy).kv_transfer_config(upstream_extra={"cache_prefix": label})
         results = []
         for phase in ("cold", "warm"):
             _say(f"  {label}: serving the {len(prompt)}-token prompt in a fresh {phase} engine process (tp={tp_size}) ...")

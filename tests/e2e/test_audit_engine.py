@@ -44,6 +44,7 @@ from kvpolicy.harness.e2e import (  # noqa: E402
 from kvpolicy.harness.tinymodel import make_tiny_llama  # noqa: E402
 from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
+from kvpolicy.settings import KVPolicySettings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 WRONG = REPO / "examples" / "policies" / "wrong-attention-replicated.yaml"
@@ -90,12 +91,7 @@ class Engines:
             self.model,
             PROMPT,
             tp_size=TP_SIZE,
-            kv_transfer_config={
-                "kv_connector": "KVPolicyConnector",
-                "kv_connector_module_path": "kvpolicy.vllm",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"kvpolicy": os.fspath(policy), "kvpolicy_plan_json": str(plan_path)},
-            },
+            kv_transfer_config=KVPolicySettings(kvpolicy=os.fspath(policy), kvpolicy_plan_json=plan_path).kv_transfer_config(),
             mooncake_config_path=self.config,
             max_tokens=MAX_TOKENS,
             logprobs=LOGPROBS,

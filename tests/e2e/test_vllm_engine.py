@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import require, unavailable
@@ -39,6 +40,7 @@ from kvpolicy.keys import chunk_key  # noqa: E402
 from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402
 from kvpolicy.mooncake.client import store_client  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
+from kvpolicy.settings import KVPolicySettings  # noqa: E402
 from kvpolicy.sim.scheduler import block_hashes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,13 +69,12 @@ and V with its column slice of the projection, in other GEMM blocks than TP 1, s
 may differ. Observed: 2.4e-6 (the same tokens)."""
 
 
-def policy_config(policy: str | os.PathLike[str], **extra: object) -> dict[str, object]:
-    return {
-        "kv_connector": "KVPolicyConnector",
-        "kv_connector_module_path": "kvpolicy.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kvpolicy": os.fspath(policy), **extra},
-    }
+def policy_config(policy: str | os.PathLike[str], **extra: Any) -> dict[str, Any]:
+    """The connector's config with ``policy``; ``kvpolicy_*`` keys of ``extra`` are its settings, the
+    others the Mooncake store connector's (``store_tp_size``)."""
+    settings = {key: value for key, value in extra.items() if key.startswith("kvpolicy")}
+    upstream = {key: value for key, value in extra.items() if not key.startswith("kvpolicy")}
+    return KVPolicySettings(kvpolicy=os.fspath(policy), **settings).kv_transfer_config(upstream_extra=upstream)
 
 
 @pytest.fixture(scope="module")

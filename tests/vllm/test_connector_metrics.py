@@ -21,6 +21,7 @@ from kvpolicy.keys import parse_key  # noqa: E402
 from kvpolicy.loader import load_policy  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
+from kvpolicy.settings import KVPolicySettings  # noqa: E402
 from kvpolicy.sim import BLOCK_SIZE, Fleet  # noqa: E402
 from kvpolicy.sim.instance import Instance  # noqa: E402
 from kvpolicy.vllm.connector import KVPolicyConnector  # noqa: E402
@@ -124,10 +125,7 @@ def metric_types(registry: CollectorRegistry) -> dict[type, type]:
 
 def kvpolicy_config() -> VllmConfig:
     return VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVPolicyConnector", kv_connector_module_path="kvpolicy.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"kvpolicy": "default"},
-        )
+        kv_transfer_config=KVTransferConfig(**KVPolicySettings(kvpolicy="default").kv_transfer_config())
     )
 
 
@@ -176,10 +174,7 @@ def test_inside_multiconnector_the_stats_rebuild_and_reach_prometheus(fleet: Fle
     config = VllmConfig(
         kv_transfer_config=KVTransferConfig(
             kv_connector="MultiConnector", kv_role="kv_both",
-            kv_connector_extra_config={"connectors": [
-                {"kv_connector": "KVPolicyConnector", "kv_connector_module_path": "kvpolicy.vllm", "kv_role": "kv_both",
-                 "kv_connector_extra_config": {"kvpolicy": "default"}},
-            ]},
+            kv_connector_extra_config={"connectors": [KVPolicySettings(kvpolicy="default").kv_transfer_config()]},
         )
     )
     # What the API server does with the payload it receives: rebuild each child's stats by connector name.

@@ -23,6 +23,7 @@ from kvpolicy.harness.fleet.netns import Host, Network
 from kvpolicy.harness.server import OpenAIServer
 from kvpolicy.mooncake.master import MooncakeMaster
 from kvpolicy.mooncake.metrics import MasterCounters
+from kvpolicy.settings import KVPolicySettings
 
 __all__ = ["HostFleet", "kv_transfer_config"]
 
@@ -32,15 +33,9 @@ def kv_transfer_config(
 ) -> str:
     """A ``--kv-transfer-config`` value: kvpolicy with ``policy``, or the stock ``connector``."""
     if connector is not None:
-        config: dict[str, Any] = {"kv_connector": connector, "kv_role": "kv_both"}
+        config: dict[str, Any] = {"kv_connector": connector, "kv_role": "kv_both", "kv_load_failure_policy": load_failure}
     else:
-        config = {
-            "kv_connector": "KVPolicyConnector",
-            "kv_connector_module_path": "kvpolicy.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"kvpolicy": policy},
-        }
-    config["kv_load_failure_policy"] = load_failure
+        config = KVPolicySettings(kvpolicy=policy).kv_transfer_config(kv_load_failure_policy=load_failure)
     return json.dumps(config)
 
 
