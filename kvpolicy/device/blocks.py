@@ -9,7 +9,6 @@ GPU without vLLM.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -17,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from kvpolicy.audit import DEFAULT_COMPARISON, Digest, ValueComparison, digest_blocks
+from kvpolicy.device.storages import KVStorages
 
 __all__ = ["SAMPLE_VALUES", "BlockReader", "TokenDatabase", "block_regions", "local_digests", "local_samples",
            "tensor_distance"]
@@ -44,30 +44,11 @@ class BlockReader:
 
     def __init__(self, kv_caches: Mapping[str, Any]) -> None:
         self._kv_caches = dict(kv_caches)
-        storages: dict[int, torch.Tensor] = {}
-        for value in kv_caches.values():
-            for tensor in value if isinstance(value, (list, tuple)) else (value,):
-                storage = tensor.untyped_storage()
-                pointer = storage.data_ptr()
-                if pointer not in storages:
-                    # A flat uint8 view of the whole storage (shares memory; nothing is copied).
-                    storages[pointer] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-        self._starts = sorted(storages)
-        self._views = [storages[start] for start in self._starts]
+        self._storages = KVStorages.of_kv_caches(kv_caches)
 
     def region(self, address: int, size: int) -> torch.Tensor:
         """A uint8 view (shared memory: writable) of ``size`` bytes of a registered tensor at ``address``."""
-        return self._slice(address, size)
-
-    def _slice(self, address: int, size: int) -> torch.Tensor:
-        index = bisect.bisect_right(self._starts, address) - 1
-        if index < 0:
-            raise ValueError(f"address {address:#x} is outside every registered KV-cache tensor")
-        view = self._views[index]
-        offset = address - self._starts[index]
-        if offset + size > view.numel():
-            raise ValueError(f"bytes {address:#x}+{size} run past a registered KV-cache tensor")
-        return view[offset : offset + size]
+        return self._storages.region(address, size)
 
     def tensors(self, layer_names: Iterable[str]) -> list[torch.Tensor]:
         """The registered tensors of these layers (a Mamba layer has one per state)."""
@@ -97,7 +78,7 @@ class BlockReader:
         if element is not None or len(dtypes) == 1:
             dtype = element if element is not None else next(iter(dtypes))
             addresses, sizes = block_regions(database, block_ids)
-            raw = torch.cat([self._slice(address, size) for address, size in zip(addresses, sizes, strict=True)])
+            raw = torch.cat([self.region(address, size) for address, size in zip(addresses, sizes, strict=True)])
             itemsize = torch.empty(0, dtype=dtype).element_size()
             return raw[: raw.numel() // itemsize * itemsize].view(dtype).reshape(-1)
         parts = []
@@ -112,7 +93,7 @@ class BlockReader:
         CPU tensors are read in place; device tensors are sliced on the device and copied to the
         host once, all regions together.
         """
-        slices = [self._slice(address, size) for address, size in zip(addresses, sizes, strict=True)]
+        slices = [self.region(address, size) for address, size in zip(addresses, sizes, strict=True)]
         if not slices:
             return []
         if all(piece.device.type == "cpu" for piece in slices):

@@ -33,20 +33,20 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from kvpolicy.device.storages import KVStorages
 from kvpolicy.runtime.collective import PeerExchange, Transfer
 from kvpolicy.runtime.striping import (
     DEFAULT_PIECE_BUDGET_BYTES,
     IndexRun,
     StripeBlock,
     StripeCounts,
-    StorageMap,
     StripePiece,
     index_runs,
     plan_stripes,
@@ -69,44 +69,6 @@ __all__ = [
 
 EXCHANGE_FAILED = -1
 """The result code of a key whose bytes did not arrive from its owner (vLLM treats < 0 as failed)."""
-
-
-class KVStorages:
-    """The storages of a rank's KV-cache tensors as flat byte tensors, found by address (every
-    address a token database produces lies in one of them)."""
-
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        storages: dict[int, torch.Tensor] = {}
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in storages:
-                # A flat uint8 view of the whole storage (shares memory; nothing is copied).
-                storages[storage.data_ptr()] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-        if not storages:
-            raise ValueError("no KV-cache tensors")
-        devices = {view.device for view in storages.values()}
-        if len(devices) != 1:
-            raise ValueError(f"KV-cache tensors on several devices: {sorted(map(str, devices))}")
-        starts = sorted(storages)
-        self._views = [storages[start] for start in starts]
-        self.device: torch.device = devices.pop()
-        self.map = StorageMap(starts, [view.numel() for view in self._views])
-        """Where each storage lies (the numbering :meth:`rows` takes)."""
-
-    @classmethod
-    def of_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> KVStorages:
-        """From the ``kv_caches`` dict the model runner hands ``register_kv_caches`` (a tensor, or a
-        list of tensors sharing one storage, per layer)."""
-        return cls(
-            tensor
-            for value in kv_caches.values()
-            for tensor in (value if isinstance(value, (list, tuple)) else (value,))
-        )
-
-    def rows(self, storage: int, row_bytes: int) -> torch.Tensor:
-        """Storage ``storage`` as rows of ``row_bytes`` (a view; a tail shorter than a row is left out)."""
-        view = self._views[storage]
-        return view[: view.numel() // row_bytes * row_bytes].view(-1, row_bytes)
 
 
 class StripedReadStore:
