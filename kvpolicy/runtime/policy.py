@@ -25,7 +25,11 @@ from typing import Any
 
 from kvpolicy.audit import AuditState, AuditStatus, ReplicationAuditError, StepOutcome, ValueComparison
 from kvpolicy.contract import key_contract
-from kvpolicy.models import Layout, Policy
+from kvpolicy.dumper import dump_layout
+from kvpolicy.engine import make_plan
+from kvpolicy.keys import KeyContext
+from kvpolicy.loader import schemas_dir
+from kvpolicy.models import Layout, Policy, Topology
 from kvpolicy.plan import Plan
 from kvpolicy.report import format_plan_table, plan_to_json
 from kvpolicy.runtime.audit_step import Report, Samples, conclude_step
@@ -41,11 +45,12 @@ from kvpolicy.runtime.ports import Clock, Gather, KVStore
 from kvpolicy.runtime.read_failures import ReadFailures
 from kvpolicy.runtime.tally import Tally
 from kvpolicy.settings import DEFAULT_READ_FAILURE_TTL_S
+from kvpolicy.store_layout import StoreSharding
 
 # Under "vllm." so records reach vLLM's own handler when it runs in vLLM (it configures that tree only).
 logger = logging.getLogger(f"vllm.{__name__}")
 
-__all__ = ["RankPlace", "RankPolicy", "status_document", "write_text_atomically"]
+__all__ = ["RankPlace", "RankPolicy", "capture_layout", "plan_and_replan", "status_document", "write_text_atomically"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,38 @@ def write_text_atomically(path: Path, text: str) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def plan_and_replan(
+    policy: Policy,
+    layout: Layout,
+    topology: Topology,
+    *,
+    key_context: KeyContext | None = None,
+    store_sharding: StoreSharding | None = None,
+) -> tuple[Plan, Callable[[frozenset[int]], Plan]]:
+    """The plan an instance declares and how to make it again with groups demoted to factor 1, for
+    :meth:`RankPolicy.start`."""
+
+    def replan(demoted: frozenset[int]) -> Plan:
+        return make_plan(
+            policy, layout, topology, key_context=key_context, demoted=demoted, store_sharding=store_sharding
+        )
+
+    return replan(frozenset()), replan
+
+
+def capture_layout(path: Path, layout: Layout, topology: Topology) -> None:
+    """Write ``layout`` (``kvpolicy_layout_out``) as YAML that ``kvpolicy validate`` and ``kvpolicy plan
+    --layout`` read, naming the schema and the topology it was captured at; ``OSError`` naming the key."""
+    schema = schemas_dir() / "layout.schema.json"
+    text = dump_layout(layout, captured_at=topology, schema=str(schema.resolve()) if schema.is_file() else None)
+    try:
+        write_text_atomically(path, text)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise OSError(f"kvpolicy: cannot write the layout to {path} (kvpolicy_layout_out): {reason}") from error
+    logger.info("kvpolicy layout written to %s", path)
 
 
 def status_document(plan: Plan, audit: AuditState | None) -> dict[str, Any]:

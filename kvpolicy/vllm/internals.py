@@ -17,6 +17,7 @@ reads what :data:`SURFACE` declares for them.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import queue
@@ -147,6 +148,8 @@ SURFACE: tuple[Internal, ...] = (
              "connector: the scheduler role runs it; REPEATED_INITS holds the worker role to it"),
     Internal(CONNECTOR, "MooncakeStoreConnector._validate_kv_cache_config", "call", "(vllm_config, kv_cache_config)",
              "connector: the worker role validates as upstream does"),
+    Internal(CONNECTOR, "MooncakeStoreConnector._kv_cache_events", "attribute", None,
+             "connector: the worker role sets it as upstream's __init__ does"),
     Internal(BASE, "KVConnectorBase_V1.__init__", "call", "(self, vllm_config, role, kv_cache_config)",
              "connector: the worker role's base initialisation"),
     # The audit: vLLM's own answer to which fp8 type a uint8 KV cache holds.
@@ -204,18 +207,19 @@ def _parameters(function: Callable[..., Any]) -> str:
     return str(bare)
 
 
+@functools.cache
+def _assigned_by(cls: type) -> frozenset[str]:
+    """Attributes ``cls`` itself assigns (``self.x = ...`` in its source)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return frozenset()
+    return frozenset(item[len("self.") : -len(" =")] for item in assignments_and_calls_in(source, "self") if item.endswith(" ="))
+
+
 def _sets_attribute(cls: type, attribute: str) -> bool:
     """``self.<attribute> =`` somewhere in ``cls`` or a base class of it."""
-    for klass in inspect.getmro(cls):
-        if klass is object:
-            continue
-        try:
-            source = textwrap.dedent(inspect.getsource(klass))
-        except (OSError, TypeError):
-            continue
-        if f"self.{attribute} =" in assignments_and_calls_in(source, "self"):
-            return True
-    return False
+    return any(attribute in _assigned_by(klass) for klass in inspect.getmro(cls) if klass is not object)
 
 
 def _entry_drift(entry: Internal) -> str | None:

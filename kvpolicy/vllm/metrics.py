@@ -131,7 +131,7 @@ class KVPolicyConnectorStats(KVConnectorStats):
         )
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        if other.isempty_tally():
+        if other.is_empty():
             return self
         data = other.data if isinstance(other, KVPolicyConnectorStats) else {"mooncake": other.data}
         for operation, records in data.get("mooncake", {}).items():

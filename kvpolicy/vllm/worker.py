@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Self
 
 import torch
@@ -24,14 +23,11 @@ from vllm.v1.core.kv_cache_utils import BlockHash
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvpolicy.audit import AuditState, ReplicationAuditError
-from kvpolicy.dumper import dump_layout
-from kvpolicy.engine import make_plan
 from kvpolicy.keys import KeyContext, model_basename
-from kvpolicy.loader import schemas_dir
 from kvpolicy.models import Layout, LoadMode, Policy, Topology
 from kvpolicy.plan import Plan
 from kvpolicy.runtime.collective import PeerExchange
-from kvpolicy.runtime.policy import RankPlace, RankPolicy, write_text_atomically
+from kvpolicy.runtime.policy import RankPlace, RankPolicy, capture_layout, plan_and_replan
 from kvpolicy.settings import KVPolicySettings
 from kvpolicy.store_layout import StoreSharding
 from kvpolicy.vllm import audit as online_audit
@@ -236,16 +232,15 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         )
         # Before planning: a policy that cannot plan this model is when its layout is needed most.
         if self._layout_out is not None:
-            self._write_layout(self._layout_out, layout, topology)
-        context = KeyContext.for_model(self._model, self._cache_prefix, self._store_namespace)
+            capture_layout(self._layout_out, layout, topology)
         policy = self._policy
-
-        sharding = self._store_sharding
-
-        def replan(demoted: frozenset[int]) -> Plan:
-            return make_plan(policy, layout, topology, key_context=context, demoted=demoted, store_sharding=sharding)
-
-        declared = replan(frozenset())
+        declared, replan = plan_and_replan(
+            policy,
+            layout,
+            topology,
+            key_context=KeyContext.for_model(self._model, self._cache_prefix, self._store_namespace),
+            store_sharding=self._store_sharding,
+        )
         if len(declared.groups) != len(self._kv_cache_groups):
             raise RuntimeError(
                 f"kvpolicy planned {len(declared.groups)} groups but the store coordinator has "
@@ -411,19 +406,6 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
     def _report_plan(self) -> None:
         if self._runtime is not None:  # capacity-only: nothing planned
             self._runtime.report_plan()
-
-    @staticmethod
-    def _write_layout(path: Path, layout: Layout, topology: Topology) -> None:
-        """Capture ``layout`` (``kvpolicy_layout_out``) as YAML that ``kvpolicy validate`` and
-        ``kvpolicy plan --layout`` read."""
-        schema = schemas_dir() / "layout.schema.json"
-        text = dump_layout(layout, captured_at=topology, schema=str(schema.resolve()) if schema.is_file() else None)
-        try:
-            write_text_atomically(path, text)
-        except OSError as error:
-            reason = error.strerror or str(error)
-            raise OSError(f"kvpolicy: cannot write the layout to {path} ({LAYOUT_OUT_KEY}): {reason}") from error
-        logger.info("kvpolicy layout written to %s", path)
 
     # --- the replication audit -------------------------------------------------------------------
 

@@ -291,3 +291,33 @@ def test_only_the_first_rank_writes_status_documents(layout, tmp_path: Path) -> 
     )
     runtime.report_plan()
     assert list(tmp_path.iterdir()) == [tmp_path / "org_hybrid.yaml"]
+
+
+# --- planning and the captured layout -------------------------------------------------------------
+
+
+def test_replanning_demotes_only_the_groups_named(layout) -> None:
+    from kvpolicy.models import Topology
+    from kvpolicy.runtime.policy import plan_and_replan
+
+    declared, replan = plan_and_replan(audited_policy(), layout, Topology(tp_size=TP))
+    assert declared.factors == (TP, 1) and replan(frozenset({0})).factors == (1, 1)
+    assert replan(frozenset()) == declared
+
+
+def test_a_captured_layout_reads_back_as_the_layout(layout, tmp_path: Path) -> None:
+    from kvpolicy.loader import load_layout
+    from kvpolicy.models import Topology
+    from kvpolicy.runtime.policy import capture_layout
+
+    path = tmp_path / "captured.yaml"
+    capture_layout(path, layout, Topology(tp_size=TP))
+    assert load_layout(path) == layout
+
+
+def test_a_layout_that_cannot_be_written_names_the_key(layout, tmp_path: Path) -> None:
+    from kvpolicy.models import Topology
+    from kvpolicy.runtime.policy import capture_layout
+
+    with pytest.raises(OSError, match=r"\(kvpolicy_layout_out\)"):
+        capture_layout(tmp_path / "missing" / "captured.yaml", layout, Topology(tp_size=TP))

@@ -5,8 +5,12 @@ re-signs one of them fails here, with one line per entry."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import os
+import textwrap
+import threading
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +28,7 @@ from kvpolicy.vllm.internals import (  # noqa: E402
     Internal,
     RepeatedInit,
     assignments_and_calls,
+    assignments_and_calls_in,
     drift,
     resolve,
 )
@@ -106,3 +111,35 @@ def test_every_repeated_constructor_sets_attributes_and_calls(repeated: Repeated
     ours_module, _, ours_name = repeated.ours.partition(":")
     assert len(assignments_and_calls(resolve(module, name), "self")) > 3
     assert len(assignments_and_calls(resolve(ours_module, ours_name), repeated.receiver)) > 3
+
+
+def upstream_names() -> set[str]:
+    """Every attribute vLLM's store worker, its threads and its connector have or set (minus Python's
+    own ``threading.Thread``'s)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import (
+        KVCacheStoreRecvingThread,
+        KVCacheStoreSendingThread,
+        MooncakeStoreWorker,
+    )
+
+    names: set[str] = set()
+    for cls in (MooncakeStoreWorker, KVCacheStoreSendingThread, KVCacheStoreRecvingThread, MooncakeStoreConnector):
+        for klass in inspect.getmro(cls):
+            if klass in (object, threading.Thread):
+                continue
+            names |= set(vars(klass))
+            source = textwrap.dedent(inspect.getsource(klass))
+            names |= {item.removeprefix("self.").rstrip(" =()") for item in assignments_and_calls_in(source, "self")}
+    return names - set(dir(threading.Thread))
+
+
+def test_every_private_name_of_vllms_that_kvpolicy_touches_is_declared() -> None:
+    touched: dict[str, set[str]] = {}
+    for path in sorted([*(REPO / "kvpolicy" / "vllm").glob("*.py"), *(REPO / "kvpolicy" / "sim").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                touched.setdefault(node.attr, set()).add(f"{path.relative_to(REPO)}:{node.lineno}")
+    undeclared_names = upstream_names() - {entry.name.rpartition(".")[2] for entry in SURFACE}
+    undeclared = {name: sorted(where) for name, where in touched.items() if name in undeclared_names}
+    assert undeclared == {}
