@@ -66,6 +66,7 @@ has a group to audit — a decision taken from the plan alone — and whose unio
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -73,6 +74,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     MooncakeStoreConnectorMetadata,
 )
+from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec, KVQuantMode, UniformTypeKVCacheSpecs
@@ -103,6 +105,9 @@ from kvpolicy.runtime.markers import (
 )
 from kvpolicy.vllm import internals
 
+# Under "vllm." so records reach vLLM's own handler (it configures only the "vllm" logger tree).
+logger = init_logger(f"vllm.{__name__}")
+
 __all__ = [
     "AUDIT_BLOCKS_PER_REQUEST",
     "AUDIT_DEMOTED_OPERATION",
@@ -125,6 +130,7 @@ __all__ = [
     "read_demotions",
     "record_stats",
     "revoke_agreements",
+    "step_collectors",
     "tensor_distance",
     "value_comparisons",
     "write_agreements",
@@ -280,6 +286,50 @@ def gather_over_tp(payload: Any) -> list[Any]:
     gathered: list[Any] = [None] * group.world_size
     torch.distributed.all_gather_object(gathered, payload, group=group.cpu_group)
     return gathered
+
+
+def step_collectors(
+    worker: Any,
+    blocks: Mapping[int, Sequence[int]],
+    *,
+    comparisons: Mapping[int, ValueComparison],
+    gather: Callable[[Any], Sequence[Any]],
+    reader: BlockReader | None,
+    timings: dict[str, float],
+) -> tuple[Callable[[], list[Report]], Callable[[tuple[int, ...]], list[Samples]]]:
+    """How one rank of ``worker`` takes part in an audited step's collectives: its digests of
+    ``blocks`` (``reader`` reads its registered KV tensors), then, if asked, its samples. A rank that
+    cannot digest or sample still joins the collective with None: a rank that skipped it would hang
+    every other rank. ``timings`` receives ``digest``, ``gather`` and ``values`` in seconds."""
+    started = time.perf_counter()
+
+    def collect_reports() -> list[Report]:
+        report: Report = None
+        try:
+            if reader is None:
+                raise RuntimeError("no KV caches registered")
+            report = encode_report(local_digests(worker.token_dbs, reader, blocks))
+        except Exception:
+            logger.exception("kvpolicy audit: tp rank %d could not digest its blocks", worker.tp_rank)
+        timings["digest"] = time.perf_counter() - started
+        gathered = list(gather(report))
+        timings["gather"] = time.perf_counter() - started - timings["digest"]
+        return gathered
+
+    def collect_samples(groups: tuple[int, ...]) -> list[Samples]:
+        began = time.perf_counter()
+        samples: Samples = None
+        try:
+            assert reader is not None
+            layer_names = {group: worker._kv_cache_groups[group].layer_names for group in groups}
+            samples = local_samples(worker.token_dbs, reader, blocks, layer_names, groups, comparisons=comparisons)
+        except Exception:
+            logger.exception("kvpolicy audit: tp rank %d could not sample its blocks", worker.tp_rank)
+        gathered = list(gather(samples))
+        timings["values"] = time.perf_counter() - began
+        return gathered
+
+    return collect_reports, collect_samples
 
 
 def conclude_step(

@@ -433,38 +433,9 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         comparisons = online_audit.value_comparisons(
             self.cache_config.cache_dtype, [group.kv_cache_spec for group in self._kv_cache_groups]
         )
-
-        def collect_reports() -> list[online_audit.Report]:
-            report: online_audit.Report = None
-            try:
-                if self._block_reader is None:
-                    raise RuntimeError("no KV caches registered")
-                report = online_audit.encode_report(
-                    online_audit.local_digests(self.token_dbs, self._block_reader, blocks)
-                )
-            except Exception:
-                # Still join the collective: a rank that skipped it would hang every other rank.
-                logger.exception("kvpolicy audit: tp rank %d could not digest its blocks", self.tp_rank)
-            timings["digest"] = time.perf_counter() - started
-            gathered = list(self._gather(report))
-            timings["gather"] = time.perf_counter() - started - timings["digest"]
-            return gathered
-
-        def collect_samples(groups: tuple[int, ...]) -> list[online_audit.Samples]:
-            began = time.perf_counter()
-            samples: online_audit.Samples = None
-            try:
-                assert self._block_reader is not None
-                layer_names = {group: self._kv_cache_groups[group].layer_names for group in groups}
-                samples = online_audit.local_samples(
-                    self.token_dbs, self._block_reader, blocks, layer_names, groups, comparisons=comparisons
-                )
-            except Exception:
-                logger.exception("kvpolicy audit: tp rank %d could not sample its blocks", self.tp_rank)
-            gathered = list(self._gather(samples))
-            timings["values"] = time.perf_counter() - began
-            return gathered
-
+        collect_reports, collect_samples = online_audit.step_collectors(
+            self, blocks, comparisons=comparisons, gather=self._gather, reader=self._block_reader, timings=timings
+        )
         try:
             outcome = runtime.conclude_step(
                 collect_reports,
