@@ -144,7 +144,7 @@ def test_the_prometheus_series_carry_the_counts_and_the_plan(fleet: Fleet) -> No
     prom = KVPolicyConnector.build_prom_metrics(kvpolicy_config(), metric_types(registry), ["engine"], {0: ["0"]})
     prom.observe(data, 0)
     text = generate_latest(registry).decode()
-    for group, count in written_per_group(outcome.puts).items():
+    for group, count in written_per_group(outcome.puts, instance.plan.key_template).items():
         assert sample(text, "vllm:kvpolicy_objects_written_total", group=group) == count
     mla = next(group for group in instance.plan.groups if group.factor == 2)
     assert sample(text, "vllm:kvpolicy_group_info", group=str(mla.index), factor="2", fingerprint=instance.plan.fingerprint) == 1
