@@ -185,3 +185,31 @@ def test_a_test_folder_named_like_a_package_is_not_that_package(tmp_path: Path, 
 def test_the_tiers_beyond_pure_need_vllm_and_torch_and_pure_needs_nothing() -> None:
     assert tiers.NEEDS["pure"] == ()
     assert all({"vllm", "torch"} <= set(tiers.NEEDS[tier]) for tier in tiers.TIER_NAMES if tier != "pure")
+
+
+BLOCKED_IMPORTS = """
+import importlib.util, sys
+for name in ("vllm", "torch", "mooncake"):
+    sys.modules[name] = None  # importing it now raises ImportError, as on a machine without it
+sys.path[:0] = [sys.argv[1]]
+failed = []
+for file in sys.argv[2:]:
+    sys.path.insert(0, f"{sys.argv[1]}/{file.rsplit('/', 1)[0]}")  # as pytest puts a module's folder first
+    spec = importlib.util.spec_from_file_location(file.replace("/", ".")[:-3], f"{sys.argv[1]}/{file}")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as error:  # a module-level skip (pytest's Skipped) counts too
+        failed.append(f"{file}: {type(error).__name__}: {error}")
+print("\\n".join(failed))
+"""
+
+
+def test_the_pure_tiers_modules_import_without_vllm_torch_or_mooncake() -> None:
+    pure = [file for file in suite_files() if tiers.default_tier(file) == "pure"]
+    run = subprocess.run(
+        [sys.executable, "-c", BLOCKED_IMPORTS, str(TESTS), *pure],
+        capture_output=True, text=True, cwd=REPO, timeout=300, check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == ""
