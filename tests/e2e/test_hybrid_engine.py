@@ -56,6 +56,7 @@ from kvpolicy.harness.e2e import (  # noqa: E402
 from kvpolicy.harness.tinymodel import ARCHITECTURES, HYBRIDS, make_tiny_model  # noqa: E402
 from kvpolicy.loader import check_file  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
+from kvpolicy.settings import KVPolicySettings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -151,23 +152,16 @@ class Engines:
         entry = ARCHITECTURES[arch]
         run_dir = self.scratch / "runs" / f"{arch}-{label}"
         run_dir.mkdir(parents=True, exist_ok=True)
-        extra: dict[str, object] = {
-            "kvpolicy": os.fspath(policy),
-            "kvpolicy_plan_json": str(run_dir / "plan.json"),
-            "kvpolicy_layout_out": str(run_dir / "layout.yaml"),
-        }
-        if prefix:
-            extra["cache_prefix"] = prefix
+        settings = KVPolicySettings(
+            kvpolicy=os.fspath(policy),
+            kvpolicy_plan_json=run_dir / "plan.json",
+            kvpolicy_layout_out=run_dir / "layout.yaml",
+        )
         result = serve_once(
             self.model(arch, kv_heads),
             prompt_for(arch),
             tp_size=TP_SIZE,
-            kv_transfer_config={
-                "kv_connector": "KVPolicyConnector",
-                "kv_connector_module_path": "kvpolicy.vllm",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": extra,
-            },
+            kv_transfer_config=settings.kv_transfer_config(upstream_extra={"cache_prefix": prefix} if prefix else None),
             mooncake_config_path=self.config,
             max_tokens=MAX_TOKENS,
             logprobs=LOGPROBS,
