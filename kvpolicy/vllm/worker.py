@@ -23,7 +23,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvpolicy.audit import AuditState, ReplicationAuditError
-from kvpolicy.keys import KeyContext, model_basename
+from kvpolicy.keys import KeyContext, model_basename, split_chunk_key
 from kvpolicy.models import Layout, LoadMode, Policy, Topology
 from kvpolicy.plan import Plan
 from kvpolicy.runtime.collective import PeerExchange
@@ -359,7 +359,11 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
 
     def _group_of_key(self, key: str) -> int | None:
         """The group a store key of this rank belongs to (None for a key of no namespace it writes)."""
-        return self._prefix_groups.get(key.rpartition("@")[0])
+        try:
+            namespace, _ = split_chunk_key(key)
+        except ValueError:
+            return None
+        return self._prefix_groups.get(namespace)
 
     def _bind(self, plan: Plan) -> None:
         """Point every plan-dependent part of this worker at ``plan``: factors, token databases (key
