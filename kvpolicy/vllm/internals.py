@@ -5,7 +5,7 @@ worker overrides private methods, reads and writes private attributes, calls pri
 rebuilds ``__init__`` without the distributed runtime, and changes the class of a running thread.
 :data:`SURFACE` lists every such name — module, name, kind, parameters — and :data:`REPEATED_INITS`
 the upstream constructors kvpolicy repeats line for line. :func:`drift` compares both with the vLLM
-that is installed; ``tests/vllm/test_vllm_internals.py`` runs it under vLLM 0.32 and 0.33, so an
+that is installed; ``tests/connector/test_vllm_internals.py`` runs it under vLLM 0.32 and 0.33, so an
 upgrade that renames, removes or re-signs one of them fails there, in one message naming each entry.
 
 The touches themselves (binding a plan into upstream's attributes, decorating its threads, calling

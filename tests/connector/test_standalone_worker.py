@@ -3,7 +3,7 @@
 :func:`kvpolicy.vllm.standalone.init_standalone` rebuilds upstream's ``__init__`` without the
 distributed runtime; the simulation, ``kvpolicy audit`` and the benchmarks build every rank with it.
 That it repeats every ``self.x =`` and ``self.f()`` of upstream's ``__init__`` is checked with the rest
-of vLLM's internals, in ``tests/vllm/test_vllm_internals.py``.
+of vLLM's internals, in ``tests/connector/test_vllm_internals.py``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ vLLM allocates fp8 KV caches as ``uint8`` tensors, so the audit reads the values
 dtype setting. These tests build each layer's spec the way vLLM's attention layers do for a cache
 dtype (``STR_DTYPE_TO_TORCH_DTYPE``, ``get_kv_quant_mode``) and pin what the audit makes of it, so a
 vLLM release that changes the mapping or drops the function fails here. They run against vLLM 0.32
-(the venv) and, through ``tests/vllm/test_vllm_033.py``, against 0.33.
+(the venv) and, through ``tests/connector/test_vllm_033.py``, against 0.33.
 """
 
 from __future__ import annotations

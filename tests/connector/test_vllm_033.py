@@ -22,17 +22,17 @@ from conftest import unavailable
 REPO = Path(__file__).resolve().parents[2]
 VLLM_033 = Path(os.environ.get("KVPOLICY_VLLM_033", Path(sys.prefix) / "vllm-0.33"))
 SUITE = (
-    "tests/vllm/test_vllm_version.py",
-    "tests/vllm/test_layout_adapter.py",
-    "tests/vllm/test_compat_equivalence.py",
-    "tests/vllm/test_connector_config.py",
-    "tests/vllm/test_standalone_worker.py",
-    "tests/vllm/test_store_tp_layouts.py",
-    "tests/vllm/test_hybrid_block_sizes.py",
-    "tests/vllm/test_connector_metrics.py",
-    "tests/vllm/test_merged_saves.py",
-    "tests/vllm/test_minimal_lookup.py",
-    "tests/vllm/test_audit_cache_dtypes.py",
+    "tests/connector/test_vllm_version.py",
+    "tests/connector/test_layout_adapter.py",
+    "tests/connector/test_compat_equivalence.py",
+    "tests/connector/test_connector_config.py",
+    "tests/connector/test_standalone_worker.py",
+    "tests/connector/test_store_tp_layouts.py",
+    "tests/connector/test_hybrid_block_sizes.py",
+    "tests/connector/test_connector_metrics.py",
+    "tests/connector/test_merged_saves.py",
+    "tests/connector/test_minimal_lookup.py",
+    "tests/connector/test_audit_cache_dtypes.py",
 )
 
 

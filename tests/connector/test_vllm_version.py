@@ -34,7 +34,7 @@ def test_the_installed_vllm_is_supported() -> None:
 
 
 def test_the_vllm_under_test_is_the_one_asked_for() -> None:
-    # tests/vllm/test_vllm_033.py runs this module with vLLM 0.33 first on the path; a child that
+    # tests/connector/test_vllm_033.py runs this module with vLLM 0.33 first on the path; a child that
     # silently imported the venv's 0.32 instead would prove nothing.
     # Without that request, the vLLM imported is the one installed in this environment.
     vllm = require("vllm")
