@@ -321,7 +321,7 @@ def step_collectors(
         samples: Samples = None
         try:
             assert reader is not None
-            layer_names = {group: worker._kv_cache_groups[group].layer_names for group in groups}
+            layer_names = {group: internals.kv_cache_groups(worker)[group].layer_names for group in groups}
             samples = local_samples(worker.token_dbs, reader, blocks, layer_names, groups, comparisons=comparisons)
         except Exception:
             logger.exception("kvpolicy audit: tp rank %d could not sample its blocks", worker.tp_rank)

@@ -22,7 +22,7 @@ from kvpolicy.vllm.version import check_vllm_version
 check_vllm_version(vllm.__version__)  # before any class of vLLM's connector is imported
 
 from vllm.config import VllmConfig  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
@@ -38,6 +38,7 @@ from kvpolicy.loader import load_policy  # noqa: E402
 from kvpolicy.models import Policy  # noqa: E402
 from kvpolicy.plan import Plan  # noqa: E402
 from kvpolicy.settings import EXTRA_CONFIG, KVPolicySettings, SettingsError, policy_usage  # noqa: E402
+from kvpolicy.vllm import internals  # noqa: E402
 from kvpolicy.vllm.metrics import KVPolicyConnectorStats, KVPolicyPromMetrics  # noqa: E402
 from kvpolicy.vllm.worker import KVPolicyStoreWorker  # noqa: E402
 
@@ -104,29 +105,13 @@ class KVPolicyConnector(MooncakeStoreConnector, SupportsHMA):
         self._init_worker_role(vllm_config, role, kv_cache_config)
 
     def _init_worker_role(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
-        # MooncakeStoreConnector.__init__ ends with `MooncakeStoreWorker(vllm_config, kv_cache_config)`,
-        # a module-global name with no hook, and that constructor must not run: it mounts a Mooncake
-        # segment and binds rank 0's lookup socket. The alternatives were rebinding that global in
-        # vLLM's module around super().__init__ (a process-wide monkeypatch that any other connector
-        # built concurrently would see) or this: repeat the few role-independent lines of that
-        # __init__, in its order, and build our worker instead. The scheduler role still runs the
-        # upstream __init__ unchanged.
-        KVConnectorBase_V1.__init__(self, vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        assert vllm_config.kv_transfer_config is not None
-        self.kv_role = vllm_config.kv_transfer_config.kv_role
-        extra_config = vllm_config.kv_transfer_config.kv_connector_extra_config
-        self._capacity_only = (
-            self.kv_role == "kv_consumer"
-            and not extra_config.get("enable_lookup", True)
-            and not extra_config.get("save_decode_cache", False)
-        )
-        if not self._capacity_only:
-            self._validate_kv_cache_config(vllm_config, kv_cache_config)
-        self._kv_cache_config = kv_cache_config
-        self._kv_cache_events = None
-        self.connector_scheduler = None
-        self.connector_worker = KVPolicyStoreWorker(
-            vllm_config, kv_cache_config, policy=self.policy, settings=self.settings
+        # Upstream's __init__ would build its own worker (no hook): internals repeats its lines instead.
+        internals.init_connector_worker_role(
+            self,
+            vllm_config,
+            role,
+            kv_cache_config,
+            lambda: KVPolicyStoreWorker(vllm_config, kv_cache_config, policy=self.policy, settings=self.settings),
         )
 
     @classmethod

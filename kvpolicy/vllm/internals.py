@@ -9,9 +9,14 @@ that is installed; ``tests/connector/test_vllm_internals.py`` runs it under vLLM
 upgrade that renames, removes or re-signs one of them fails there, in one message naming each entry.
 
 The touches themselves (binding a plan into upstream's attributes, decorating its threads, calling
-its private helpers, the standalone construction :func:`init_standalone`) are the functions below;
-:mod:`kvpolicy.vllm.send` and :mod:`kvpolicy.vllm.lookup` the code that overrides and
-reads what :data:`SURFACE` declares for them.
+its private helpers, reading its private state, the send thread's private hooks, the standalone
+construction :func:`init_standalone` and the connector's worker role :func:`init_connector_worker_role`)
+are the functions and classes below, and this is the only module of kvpolicy that reads, writes, calls
+or overrides a private name of vLLM's (``tests/packaging/test_architecture.py`` scans for every private
+name of :data:`SURFACE`). One exception, declared: ``KVPolicyStoreWorker`` in :mod:`kvpolicy.vllm.worker`
+defines the override points upstream's ``MooncakeStoreWorker.__init__`` calls (the ``override`` entries of
+``MooncakeStoreWorker`` below); they are what a subclass of upstream's worker is for, and they call
+upstream's versions only through ``super()``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,17 @@ from typing import Any, Literal
 
 __all__ = [
     "REPEATED_INITS",
+    "capacity_only",
+    "counter_class",
+    "gauge_class",
+    "contiguous_blocks_for_hit",
+    "hooked_sending_thread",
+    "init_connector_worker_role",
+    "kv_cache_config",
+    "kv_cache_groups",
+    "lookup_key_prefixes",
+    "present_block",
+    "set_lookup_key_prefixes",
     "Ranks",
     "init_standalone",
     "SURFACE",
@@ -53,6 +69,9 @@ CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connect
 DATA = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data"
 BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 DECODE_BENCH = "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector"
+COORDINATOR = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator"
+PROM = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
+MANAGERS = "vllm.v1.core.single_type_kv_cache_manager"
 
 Kind = Literal["override", "call", "attribute", "constant"]
 
@@ -100,15 +119,17 @@ SURFACE: tuple[Internal, ...] = (
              "(self, operation, duration_seconds, num_keys, *, num_bytes=0, status='ok', num_failed_keys=0)",
              "record_operation: audit steps and lookups in vLLM's connector stats"),
     Internal(WORKER, "MooncakeStoreWorker._tail_key_boundaries", "call", "(self, block_hashes, hit_length, cached_block_pool)",
-             "lookup: upstream's tail boundaries of a hit"),
+             "tail_key_boundaries (lookup): upstream's tail boundaries of a hit"),
     Internal(WORKER, "MooncakeStoreWorker._group_tp_replication_factors", "attribute", None,
              "bind_plan: the factors after a re-plan"),
     Internal(WORKER, "MooncakeStoreWorker._lookup_key_prefixes", "attribute", None,
-             "bind_plan, lookup: the lookup prefixes"),
-    Internal(WORKER, "MooncakeStoreWorker._kv_cache_groups", "attribute", None, "worker, lookup: the groups' specs"),
-    Internal(WORKER, "MooncakeStoreWorker._kv_cache_config", "attribute", None, "worker: the layout the plan is made of"),
+             "bind_plan, lookup_key_prefixes, set_lookup_key_prefixes (worker, lookup): the lookup prefixes"),
+    Internal(WORKER, "MooncakeStoreWorker._kv_cache_groups", "attribute", None,
+             "kv_cache_groups (worker, lookup, audit): the groups' specs"),
+    Internal(WORKER, "MooncakeStoreWorker._kv_cache_config", "attribute", None,
+             "kv_cache_config (worker): the layout the plan is made of"),
     Internal(WORKER, "MooncakeStoreWorker._capacity_only", "attribute", None,
-             "worker, lookup: a capacity-only instance transfers no KV"),
+             "capacity_only (worker, lookup): a capacity-only instance transfers no KV"),
     Internal(WORKER, "MooncakeStoreWorker._mem_pool", "attribute", None, "standalone: no custom pool off CUDA"),
     Internal(WORKER, "MooncakeStoreWorker._is_hma_required", "attribute", None, "standalone"),
     Internal(WORKER, "MooncakeStoreWorker._supports_group_ids", "attribute", None, "standalone"),
@@ -118,16 +139,16 @@ SURFACE: tuple[Internal, ...] = (
     Internal(WORKER, "_make_mooncake_group_id", "call", "(metadata, chunk_hash)",
              "send: the group ids of boundary puts riding on a chunk save"),
     Internal(WORKER, "MOONCAKE_NO_AVAILABLE_HANDLE", "constant", None, "send: store pressure on a failed boundary put"),
-    # The send thread: kvpolicy's MergedSaveSendingThread overrides and calls these.
+    # The send thread: hooked_sending_thread overrides and calls these for send's MergedSaveSendingThread.
     Internal(WORKER, "KVCacheStoreSendingThread._handle_request", "call", "(self, req_meta)",
-             "send: the run loop calls it per job; the merged-save class keeps it"),
+             "hooked_sending_thread: the run loop calls it per job; the hooked class keeps it"),
     Internal(WORKER, "KVCacheStoreSendingThread._maybe_offload_boundary_states", "override", "(self, req_meta)",
-             "send: defers boundary puts to the chunk save"),
+             "hooked_sending_thread: offload_boundary_states (send: defers boundary puts to the chunk save)"),
     Internal(WORKER, "KVCacheStoreSendingThread.finish_store_job", "override", "(self, req_meta)",
              "send: settles boundary puts no chunk save carried"),
     Internal(WORKER, "KVCacheStoreSendingThread._record_operation", "override",
              "(self, operation, start_time, num_keys, *, num_bytes=0, status='ok', num_failed_keys=0)",
-             "send: counts the boundary keys that rode on a call"),
+             "hooked_sending_thread: record_operation (send: counts the boundary keys that rode on a call)"),
     Internal(WORKER, "KVCacheStoreSendingThread.store", "attribute", None, "decorate_send_store"),
     Internal(WORKER, "KVCacheStoreSendingThread.tp_rank", "attribute", None, "bind_plan: the stripe rank"),
     Internal(WORKER, "KVCacheStoreSendingThread.group_put_steps", "attribute", None, "bind_plan: the put schedule"),
@@ -136,8 +157,10 @@ SURFACE: tuple[Internal, ...] = (
     Internal(WORKER, "MooncakeStoreWorker.kv_send_thread", "attribute", None, "worker: the thread to decorate"),
     Internal(WORKER, "MooncakeStoreWorker.kv_recv_threads", "attribute", None, "worker: the threads to decorate"),
     Internal(WORKER, "MooncakeStoreWorker.token_dbs", "attribute", None, "bind_plan: replaced in place"),
-    Internal(WORKER, "KVCacheStoreSendingThread._boundary_puts", "call", "(self, req_meta)", "send"),
-    Internal(WORKER, "KVCacheStoreSendingThread._mark_request_skipped_for_pressure", "call", "(self, req_meta)", "send"),
+    Internal(WORKER, "KVCacheStoreSendingThread._boundary_puts", "call", "(self, req_meta)",
+             "hooked_sending_thread: boundary_puts (send)"),
+    Internal(WORKER, "KVCacheStoreSendingThread._mark_request_skipped_for_pressure", "call", "(self, req_meta)",
+             "hooked_sending_thread: mark_request_skipped_for_pressure (send)"),
     # Token databases: re-built on a re-plan with the registered regions kept.
     Internal(DATA, "ChunkedTokenDatabase.set_kv_caches_base_addr", "call", "(self, kv_caches_base_addr)", "bind_plan"),
     Internal(DATA, "ChunkedTokenDatabase.set_block_len", "call", "(self, block_len)", "bind_plan"),
@@ -147,13 +170,24 @@ SURFACE: tuple[Internal, ...] = (
     Internal(CONNECTOR, "MooncakeStoreConnector.__init__", "call", "(self, vllm_config, role, kv_cache_config=None)",
              "connector: the scheduler role runs it; REPEATED_INITS holds the worker role to it"),
     Internal(CONNECTOR, "MooncakeStoreConnector._validate_kv_cache_config", "call", "(vllm_config, kv_cache_config)",
-             "connector: the worker role validates as upstream does"),
+             "init_connector_worker_role: the worker role validates as upstream does"),
     Internal(CONNECTOR, "MooncakeStoreConnector._kv_cache_events", "attribute", None,
-             "connector: the worker role sets it as upstream's __init__ does"),
+             "init_connector_worker_role: the worker role sets it as upstream's __init__ does"),
     Internal(BASE, "KVConnectorBase_V1.__init__", "call", "(self, vllm_config, role, kv_cache_config)",
-             "connector: the worker role's base initialisation"),
+             "init_connector_worker_role: the worker role's base initialisation"),
     # The audit: vLLM's own answer to which fp8 type a uint8 KV cache holds.
     Internal(DECODE_BENCH, "_get_fp8_dtype", "call", "(spec, cache_dtype)", "fp8_dtype: the audit's value comparison"),
+    # Prometheus: kvpolicy's series are made of the metric classes vLLM's multiprocess setup chose.
+    Internal(PROM, "KVConnectorPromMetrics._gauge_cls", "attribute", None,
+             "gauge_class (metrics): the group-info gauge"),
+    Internal(PROM, "KVConnectorPromMetrics._counter_cls", "attribute", None,
+             "counter_class (metrics): kvpolicy's counters"),
+    # The lookup: vLLM's hit search over kvpolicy's probing block pool.
+    Internal(COORDINATOR, "ExternalCachedBlockPool._present_block", "attribute", None,
+             "present_block (lookup): the block a probing pool answers a hit with"),
+    Internal(MANAGERS, "SlidingWindowManager._contiguous_blocks_for_hit", "call",
+             "(window_size, block_size, use_eagle)",
+             "contiguous_blocks_for_hit (lookup): the window a sliding-window group's search needs"),
 )
 """Every private or internal name of vLLM's that kvpolicy relies on (public methods it overrides too)."""
 
@@ -179,8 +213,8 @@ REPEATED_INITS: tuple[RepeatedInit, ...] = (
         replaced=(("self._create_mem_pool()", "custom_mem_pool is CUDA-only; the standalone worker sets _mem_pool = None"),),
     ),
     RepeatedInit(
-        f"{CONNECTOR}:MooncakeStoreConnector.__init__", "kvpolicy.vllm.connector:KVPolicyConnector._init_worker_role",
-        "self",
+        f"{CONNECTOR}:MooncakeStoreConnector.__init__", "kvpolicy.vllm.internals:init_connector_worker_role",
+        "connector",
     ),
 )
 """Constructors kvpolicy rebuilds: the standalone worker (no distributed runtime, no segment mounted)
@@ -439,9 +473,12 @@ def adopt_class(instance: Any, cls: type) -> None:
     (no factory or hook takes a class), and the thread's ``run`` loop calls ``self._handle_request``
     and, from there, ``self._maybe_offload_boundary_states`` / ``self._record_operation`` on the
     thread object itself; a wrapper object would never be called. Only the class of that object
-    changes what those calls reach, so the swap stays, here, on a subclass that adds no slots."""
-    if not isinstance(instance, cls.__mro__[1]):
-        raise TypeError(f"expected an instance of {cls.__mro__[1].__name__}, got {type(instance).__name__}")
+    changes what those calls reach, so the swap stays, here, on a subclass that adds no slots.
+    ``instance`` must be an instance of the vLLM class ``cls`` derives from (the first of vLLM's in
+    its MRO: :func:`hooked_sending_thread`'s class sits between them)."""
+    upstream = next((klass for klass in cls.__mro__ if klass.__module__.split(".")[0] == "vllm"), cls.__mro__[1])
+    if not isinstance(instance, upstream):
+        raise TypeError(f"expected an instance of {upstream.__name__}, got {type(instance).__name__}")
     instance.__class__ = cls
 
 
@@ -526,3 +563,159 @@ def make_mooncake_group_id(metadata: Any, chunk_hash: str) -> str:
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import _make_mooncake_group_id
 
     return _make_mooncake_group_id(metadata, chunk_hash)
+
+
+# --- upstream's private state, read and written ------------------------------------------------------
+
+
+def capacity_only(worker: Any) -> bool:
+    """The store worker transfers no KV (a consumer with lookups and decode saves off)."""
+    return worker._capacity_only
+
+
+def kv_cache_groups(worker: Any) -> Any:
+    """The store worker's KV-cache groups as its coordinator sees them (``.kv_cache_spec``, ``.layer_names``)."""
+    return worker._kv_cache_groups
+
+
+def kv_cache_config(worker: Any) -> Any:
+    """The ``KVCacheConfig`` the store worker was built with."""
+    return worker._kv_cache_config
+
+
+def lookup_key_prefixes(worker: Any) -> Any:
+    """Per group, every namespace a lookup hit needs (what ``_init_lookup_key_prefixes`` set)."""
+    return worker._lookup_key_prefixes
+
+
+def set_lookup_key_prefixes(worker: Any, prefixes: Any) -> None:
+    """What the ``_init_lookup_key_prefixes`` override point sets: per group, the lookup namespaces."""
+    worker._lookup_key_prefixes = prefixes
+
+
+def present_block(pool: Any) -> Any:
+    """The block an ``ExternalCachedBlockPool`` answers a hit with (one dummy block, set in its ``__init__``)."""
+    return pool._present_block
+
+
+def contiguous_blocks_for_hit(manager: type, window_size: int, block_size: int, use_eagle: bool) -> int:
+    """Blocks a sliding-window manager's hit search needs in a row (upstream's classmethod)."""
+    return manager._contiguous_blocks_for_hit(window_size, block_size, use_eagle)  # type: ignore[attr-defined]
+
+
+def gauge_class(metrics: Any) -> Any:
+    """The gauge class a ``KVConnectorPromMetrics`` was given (vLLM's, or a test's)."""
+    return metrics._gauge_cls
+
+
+def counter_class(metrics: Any) -> Any:
+    """The counter class a ``KVConnectorPromMetrics`` was given (vLLM's, or a test's)."""
+    return metrics._counter_cls
+
+
+# --- the send thread's private hooks ---------------------------------------------------------------
+
+
+@functools.cache
+def hooked_sending_thread() -> type:
+    """vLLM's ``KVCacheStoreSendingThread`` with its private hooks routed to public methods, the base
+    of :class:`kvpolicy.vllm.send.MergedSaveSendingThread` (built on first call: this module imports
+    no vLLM at import time).
+
+    Hooks a subclass overrides (each defaults to upstream's behaviour): ``offload_boundary_states``
+    (upstream's ``_maybe_offload_boundary_states``, called per job by ``_handle_request``) and
+    ``record_operation`` (``_record_operation``, called per Mooncake call). Upstream's own versions stay
+    reachable as ``upstream_offload_boundary_states`` / ``upstream_record_operation``, and its private
+    helpers as ``boundary_puts`` / ``mark_request_skipped_for_pressure``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import KVCacheStoreSendingThread
+
+    class HookedSendingThread(KVCacheStoreSendingThread):  # type: ignore[misc, valid-type]
+        """vLLM's send thread whose private hooks call public methods (see :func:`hooked_sending_thread`)."""
+
+        def _maybe_offload_boundary_states(self, req_meta: Any) -> bool:
+            return self.offload_boundary_states(req_meta)
+
+        def _record_operation(
+            self,
+            operation: str,
+            start_time: float,
+            num_keys: int,
+            *,
+            num_bytes: int = 0,
+            status: str = "ok",
+            num_failed_keys: int = 0,
+        ) -> None:
+            self.record_operation(
+                operation, start_time, num_keys, num_bytes=num_bytes, status=status, num_failed_keys=num_failed_keys
+            )
+
+        def offload_boundary_states(self, req_meta: Any) -> bool:
+            """A job's boundary puts (Mamba states, partial tails); upstream's: put them now."""
+            return self.upstream_offload_boundary_states(req_meta)
+
+        def upstream_offload_boundary_states(self, req_meta: Any) -> bool:
+            """Upstream's ``_maybe_offload_boundary_states``: the boundary puts, now."""
+            return KVCacheStoreSendingThread._maybe_offload_boundary_states(self, req_meta)
+
+        def record_operation(
+            self, operation: str, start_time: float, num_keys: int, *, num_bytes: int = 0, status: str = "ok",
+            num_failed_keys: int = 0,
+        ) -> None:
+            """One Mooncake call in vLLM's connector stats; upstream's: record it as given."""
+            self.upstream_record_operation(
+                operation, start_time, num_keys, num_bytes=num_bytes, status=status, num_failed_keys=num_failed_keys
+            )
+
+        def upstream_record_operation(
+            self, operation: str, start_time: float, num_keys: int, *, num_bytes: int = 0, status: str = "ok",
+            num_failed_keys: int = 0,
+        ) -> None:
+            """Upstream's ``_record_operation``."""
+            KVCacheStoreSendingThread._record_operation(
+                self, operation, start_time, num_keys,
+                num_bytes=num_bytes, status=status, num_failed_keys=num_failed_keys,
+            )
+
+        def boundary_puts(self, req_meta: Any) -> Any:
+            """Upstream's ``_boundary_puts``: (key, addresses, sizes, key metadata) of a job's boundary puts."""
+            return self._boundary_puts(req_meta)
+
+        def mark_request_skipped_for_pressure(self, req_meta: Any) -> bool:
+            """Upstream's ``_mark_request_skipped_for_pressure``: store pressure noted for the request."""
+            return self._mark_request_skipped_for_pressure(req_meta)
+
+    return HookedSendingThread
+
+
+# --- the connector's worker role -------------------------------------------------------------------
+
+
+def init_connector_worker_role(
+    connector: Any, vllm_config: Any, role: Any, kv_cache_config: Any, build_worker: Callable[[], Any]
+) -> None:
+    """Set ``connector`` up as ``MooncakeStoreConnector.__init__`` does for the worker role, with
+    ``build_worker()`` as its worker (REPEATED_INITS holds it to upstream's ``__init__``).
+
+    Why not upstream's ``__init__``: it ends with ``MooncakeStoreWorker(vllm_config, kv_cache_config)``,
+    a module-global name with no hook, and that constructor must not run: it mounts a Mooncake segment
+    and binds rank 0's lookup socket. The alternatives were rebinding that global in vLLM's module around
+    ``super().__init__`` (a process-wide monkeypatch that any other connector built concurrently would
+    see) or this: repeat the few role-independent lines of that ``__init__``, in its order, and build
+    kvpolicy's worker instead. The scheduler role still runs the upstream ``__init__`` unchanged."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    KVConnectorBase_V1.__init__(connector, vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+    assert vllm_config.kv_transfer_config is not None
+    connector.kv_role = vllm_config.kv_transfer_config.kv_role
+    extra_config = vllm_config.kv_transfer_config.kv_connector_extra_config
+    connector._capacity_only = (
+        connector.kv_role == "kv_consumer"
+        and not extra_config.get("enable_lookup", True)
+        and not extra_config.get("save_decode_cache", False)
+    )
+    if not connector._capacity_only:
+        connector._validate_kv_cache_config(vllm_config, kv_cache_config)
+    connector._kv_cache_config = kv_cache_config
+    connector._kv_cache_events = None
+    connector.connector_scheduler = None
+    connector.connector_worker = build_worker()

@@ -96,7 +96,7 @@ def walks(coord: Any) -> dict[int, Walk]:
             walk = Walk(ascending=False)
         elif manager is SlidingWindowManager:
             spec = group.spec
-            needed = manager._contiguous_blocks_for_hit(spec.sliding_window, spec.block_size, group.use_eagle)
+            needed = internals.contiguous_blocks_for_hit(manager, spec.sliding_window, spec.block_size, group.use_eagle)
             walk = Walk(ascending=False, first_window=max(1, needed))
         else:
             walk = EVERYTHING
@@ -227,7 +227,7 @@ class ProbingBlockPool(ExternalCachedBlockPool):
 
     def get_cached_block(self, block_hash: BlockHash, group_ids: list[int]) -> list[KVCacheBlock] | None:
         if self._present(group_ids, block_hash):
-            return [self._present_block] * len(group_ids)
+            return [internals.present_block(self)] * len(group_ids)
         return None
 
     def contains(self, group_id: int, block_hash: BlockHash) -> bool:
@@ -241,7 +241,7 @@ def _candidates(worker: Any, token_len: int, block_hashes: Sequence[BlockHash]) 
     lookup_masks = None if fine_grained else coord.lookup_mask(token_len)
     candidates: dict[int, list[bytes]] = {}
     for g_idx, db in enumerate(worker.token_dbs):
-        spec = worker._kv_cache_groups[g_idx].kv_cache_spec
+        spec = internals.kv_cache_groups(worker)[g_idx].kv_cache_spec
         if not spec.prefix_cacheable:
             continue
         if fine_grained:
@@ -265,7 +265,7 @@ def lookup(
     store), over a :class:`ProbingBlockPool`; also what it probed. Keys in ``read_failures`` are
     answered missing, as if the store had lost them."""
     probes = LookupProbes()
-    if worker._capacity_only:
+    if internals.capacity_only(worker):
         return MooncakeLookupResult(0), probes
     coord = worker.coord
     token_len = coord.align_lookup_length(num_tokens)
@@ -293,7 +293,9 @@ def lookup(
         pool.probes.masked += read_failures.masked - masked_before
         return answers
 
-    pool = ProbingBlockPool(worker.hash_block_size, candidates, worker._lookup_key_prefixes, walks(coord), probe)
+    pool = ProbingBlockPool(
+        worker.hash_block_size, candidates, internals.lookup_key_prefixes(worker), walks(coord), probe
+    )
     try:
         _, hit_length = coord.find_longest_cache_hit(block_hashes, token_len, pool)
         if hit_length >= num_tokens:
@@ -350,8 +352,8 @@ def search_reads(worker: Any, num_tokens: int, block_hashes: Sequence[BlockHash]
     one batch), then vLLM's search runs over those answers and records each (group, chunk) it reads."""
     coord = worker.coord
     token_len = coord.align_lookup_length(num_tokens)
-    prefixes = worker._lookup_key_prefixes
-    nothing = worker._capacity_only or not block_hashes or token_len <= 0
+    prefixes = internals.lookup_key_prefixes(worker)
+    nothing = internals.capacity_only(worker) or not block_hashes or token_len <= 0
     candidates = {} if nothing else _candidates(worker, token_len, block_hashes)
     everything = ProbingBlockPool(
         worker.hash_block_size, candidates, prefixes, walks(coord), worker.store.batch_is_exist

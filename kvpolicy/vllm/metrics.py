@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import 
 from kvpolicy.models import Schedule
 from kvpolicy.plan import Plan
 from kvpolicy.runtime.tally import GROUP_COUNTERS, Tally, empty_tally, plan_info
+from kvpolicy.vllm import internals
 
 METRICS: dict[str, str] = {
     "vllm:kvpolicy_group_info": "One series per KV-cache group of the plan running (value 1): group, name, spec, "
@@ -164,7 +165,7 @@ class KVPolicyPromMetrics(MooncakeStorePromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._info_labels = ["group", "name", "spec", "rule", "factor", "shards", "policy", "fingerprint"]
-        self._info = self._gauge_cls(
+        self._info = internals.gauge_class(self)(
             name="vllm:kvpolicy_group_info",
             documentation=METRICS["vllm:kvpolicy_group_info"],
             labelnames=labelnames + self._info_labels,
@@ -172,21 +173,21 @@ class KVPolicyPromMetrics(MooncakeStorePromMetrics):
         )
         self._info_shown: dict[int, list[list[object]]] = {}
         self._group_counters = {
-            name: self._counter_cls(
+            name: internals.counter_class(self)(
                 name=f"vllm:kvpolicy_{name}", documentation=METRICS[f"vllm:kvpolicy_{name}_total"],
                 labelnames=labelnames + ["group"],
             )
             for name in GROUP_COUNTERS
         }
-        self._audit = self._counter_cls(
+        self._audit = internals.counter_class(self)(
             name="vllm:kvpolicy_audit_steps", documentation=METRICS["vllm:kvpolicy_audit_steps_total"],
             labelnames=labelnames + ["outcome"],
         )
-        self._demotions = self._counter_cls(
+        self._demotions = internals.counter_class(self)(
             name="vllm:kvpolicy_demotions", documentation=METRICS["vllm:kvpolicy_demotions_total"],
             labelnames=labelnames + ["group"],
         )
-        self._gated = self._counter_cls(
+        self._gated = internals.counter_class(self)(
             name="vllm:kvpolicy_lookups_gated", documentation=METRICS["vllm:kvpolicy_lookups_gated_total"],
             labelnames=labelnames,
         )

@@ -133,12 +133,13 @@ class _RidingStore:
         return results[len(riding) :]
 
 
-class MergedSaveSendingThread(KVCacheStoreSendingThread):
+class MergedSaveSendingThread(internals.hooked_sending_thread()):  # type: ignore[misc]
     """vLLM's send thread whose boundary puts ride on the chunk save's exists check and put.
 
     Installed on a running thread by :meth:`adopt` (upstream builds and starts its thread inside
     ``register_kv_caches``, with no hook for the class); the thread's ``run`` loop looks its methods
-    up per job, so the next job already takes this path.
+    up per job, so the next job already takes this path. Upstream's private hooks reach the public
+    methods below through :func:`kvpolicy.vllm.internals.hooked_sending_thread`.
     """
 
     pending_boundary_batch: _BoundaryBatch | None = None
@@ -156,11 +157,11 @@ class MergedSaveSendingThread(KVCacheStoreSendingThread):
         thread.store = _RidingStore(thread.store, thread)
         return thread
 
-    def _maybe_offload_boundary_states(self, req_meta: ReqMeta) -> bool:
+    def offload_boundary_states(self, req_meta: ReqMeta) -> bool:
         """Defer this job's boundary puts to its chunk save's calls (upstream: put them now)."""
         if not req_meta.boundary_puts or not req_meta.block_hashes:
             return True
-        puts = self._boundary_puts(req_meta)
+        puts = self.boundary_puts(req_meta)
         if not puts:
             return True
         group_ids = (
@@ -183,7 +184,7 @@ class MergedSaveSendingThread(KVCacheStoreSendingThread):
         batch, self.pending_boundary_batch = self.pending_boundary_batch, None
         if batch is not None and batch.req_meta is req_meta and not batch.settled:
             try:
-                super()._maybe_offload_boundary_states(req_meta)
+                self.upstream_offload_boundary_states(req_meta)
             except Exception:
                 logger.exception("Failed to offload the boundary states of request %s", req_meta.req_id)
         super().finish_store_job(req_meta)
@@ -195,9 +196,9 @@ class MergedSaveSendingThread(KVCacheStoreSendingThread):
             req_meta.req_id, failed, total, codes,
         )
         if upstream.MOONCAKE_NO_AVAILABLE_HANDLE in codes:
-            self._mark_request_skipped_for_pressure(req_meta)
+            self.mark_request_skipped_for_pressure(req_meta)
 
-    def _record_operation(
+    def record_operation(
         self,
         operation: str,
         start_time: float,
@@ -222,7 +223,7 @@ class MergedSaveSendingThread(KVCacheStoreSendingThread):
             if failed and status == "ok":
                 status = "partial_failure"
             batch.unrecorded_put = None
-        super()._record_operation(
+        self.upstream_record_operation(
             operation, start_time, num_keys, num_bytes=num_bytes, status=status, num_failed_keys=num_failed_keys
         )
 

@@ -72,7 +72,9 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
     the lookup gate, read failures, the tally, the status documents — is this rank's
     :class:`~kvpolicy.runtime.policy.RankPolicy` (no vLLM, no torch); this class keeps upstream's
     override points, reads what only vLLM's objects hold (layout, blocks, KV tensors) and delegates.
-    Its touches of vLLM's internals go through :mod:`kvpolicy.vllm.internals`.
+    Its touches of vLLM's internals go through :mod:`kvpolicy.vllm.internals`; the private methods of
+    upstream's it defines are the override points upstream's ``__init__`` calls, declared there as
+    ``override`` entries of ``internals.SURFACE`` (the one module besides internals that may define them).
     """
 
     _layout: Layout | None = None
@@ -220,7 +222,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
     def _make_plan(self) -> Plan:
         """policy × this worker's layout × its topology, with upstream's key context."""
         layout = layout_from_kv_cache_config(
-            self._kv_cache_config,
+            internals.kv_cache_config(self),
             model=model_basename(self._model),
             # Upstream sets num_kv_head to model_config.get_total_num_kv_heads().
             total_num_kv_heads=self.num_kv_head,
@@ -241,10 +243,10 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             key_context=KeyContext.for_model(self._model, self._cache_prefix, self._store_namespace),
             store_sharding=self._store_sharding,
         )
-        if len(declared.groups) != len(self._kv_cache_groups):
+        if len(declared.groups) != len(internals.kv_cache_groups(self)):
             raise RuntimeError(
                 f"kvpolicy planned {len(declared.groups)} groups but the store coordinator has "
-                f"{len(self._kv_cache_groups)}; the layout adapter and vLLM disagree on the group selection"
+                f"{len(internals.kv_cache_groups(self))}; the layout adapter and vLLM disagree on the group selection"
             )
         settings = self._settings
         self._runtime = RankPolicy(
@@ -277,7 +279,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         planned = None if plan.store_sharding is None else plan.store_sharding.store_format
         if planned != (None if layout_cls is None else layout_cls.store_format):
             raise RuntimeError(f"kvpolicy planned store format {planned} but vLLM selected {layout_cls}")
-        groups = self._kv_cache_groups
+        groups = internals.kv_cache_groups(self)
         return store.build_token_databases(
             self._require_plan(),
             tp_rank=self.tp_rank,
@@ -294,13 +296,13 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         )
 
     def _init_lookup_key_prefixes(self) -> None:
-        self._lookup_key_prefixes = store.lookup_key_prefixes(self._require_plan())
+        internals.set_lookup_key_prefixes(self, store.lookup_key_prefixes(self._require_plan()))
 
     # --- the put schedule ------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
-        if self._capacity_only or not kv_caches:
+        if internals.capacity_only(self) or not kv_caches:
             return
         self._block_reader = online_audit.BlockReader(kv_caches)
         # Upstream builds and starts the send thread inline in register_kv_caches, with put steps =
@@ -401,7 +403,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             send_rank=store.send_thread_rank(plan, self.tp_rank),
             put_steps=store.group_put_steps(plan),
             participates=store.group_participates(
-                plan, self.tp_rank, [group.kv_cache_spec.prefix_cacheable for group in self._kv_cache_groups]
+                plan, self.tp_rank, [group.kv_cache_spec.prefix_cacheable for group in internals.kv_cache_groups(self)]
             ),
         )
 
@@ -415,7 +417,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
 
     def wait_for_save(self, metadata: MooncakeStoreConnectorMetadata) -> None:
         # The audit first, so that a demoted group's blocks of this very step go to its own namespace.
-        if not self._capacity_only and self.can_put:
+        if not internals.capacity_only(self) and self.can_put:
             self._audit_step(metadata)
         super().wait_for_save(metadata)
 
@@ -435,7 +437,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         timings: dict[str, float] = {}
         # What each group's values are (fp8 caches are uint8 tensors): the configuration's, the same on every rank.
         comparisons = online_audit.value_comparisons(
-            self.cache_config.cache_dtype, [group.kv_cache_spec for group in self._kv_cache_groups]
+            self.cache_config.cache_dtype, [group.kv_cache_spec for group in internals.kv_cache_groups(self)]
         )
         collect_reports, collect_samples = online_audit.step_collectors(
             self, blocks, comparisons=comparisons, gather=self._gather, reader=self._block_reader, timings=timings
@@ -479,7 +481,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         reads (:mod:`kvpolicy.vllm.lookup`), behind the lookup gate."""
         self._last_lookup_gated = False
         self._last_lookup_probes = LookupProbes()
-        if self._runtime is not None and not self._capacity_only and not self._runtime.lookup_allowed():
+        if self._runtime is not None and not internals.capacity_only(self) and not self._runtime.lookup_allowed():
             self._last_lookup_gated = True
             return MooncakeLookupResult(0)
         result, self._last_lookup_probes = probing_lookup(

@@ -155,3 +155,169 @@ def test_only_the_internals_module_imports_vllms_private_names() -> None:
         if module.split(".")[0] == "vllm" and name is not None and name.startswith("_")
     ]
     assert found == []
+
+
+INTERNALS = REPO / "kvpolicy" / "vllm" / "internals.py"
+OVERRIDE_HOME = REPO / "kvpolicy" / "vllm" / "worker.py"
+"""The one module besides :data:`INTERNALS` that may define vLLM's private methods: KVPolicyStoreWorker,
+for the override points upstream's MooncakeStoreWorker calls in its ``__init__`` (declared in
+``internals.SURFACE`` with kind ``override``). Moving them would need a second class between the worker
+and upstream's, for four methods whose whole job is to answer upstream from the plan."""
+
+
+def vllm_private_names() -> tuple[frozenset[str], frozenset[str]]:
+    """(every private name of vLLM's declared in ``internals.SURFACE``, those declared as override points
+    of ``MooncakeStoreWorker``): the last part of each entry's name, where it starts with one underscore."""
+    from kvpolicy.vllm.internals import SURFACE
+
+    def private(name: str) -> str | None:
+        last = name.rpartition(".")[2]
+        return last if last.startswith("_") and not last.startswith("__") else None
+
+    names = frozenset(name for entry in SURFACE if (name := private(entry.name)))
+    overrides = frozenset(
+        name
+        for entry in SURFACE
+        if entry.kind == "override" and entry.name.startswith("MooncakeStoreWorker.") and (name := private(entry.name))
+    )
+    return names, overrides
+
+
+def vllm_private_touches(path: Path, names: frozenset[str], overrides: frozenset[str]) -> Iterator[str]:
+    """Every read, write or call of a declared vLLM private name in ``path`` (``x._name`` whatever ``x``),
+    every method defining one, and every ``from vllm... import _name``; a declared override point of the
+    store worker may be defined in :data:`OVERRIDE_HOME`, and may call upstream's through ``super()``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    where = path.relative_to(REPO)
+    allowed_overrides = overrides if path == OVERRIDE_HOME else frozenset()
+    inside_override: dict[int, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name in names:
+                    if item.name in allowed_overrides:
+                        for inner in ast.walk(item):
+                            inside_override[id(inner)] = item.name
+                    else:
+                        yield f"{where}:{item.lineno}: defines {node.name}.{item.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            calls_super = (
+                isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Name)
+                and node.value.func.id == "super"
+            )
+            if calls_super and inside_override.get(id(node)) == node.attr:
+                continue
+            yield f"{where}:{node.lineno}: {ast.unparse(node)}"
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "vllm":
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    yield f"{where}:{node.lineno}: from {node.module} import {alias.name}"
+
+
+def test_only_the_internals_module_touches_vllms_private_names() -> None:
+    names, overrides = vllm_private_names()
+    found = [
+        touch
+        for path in python_files("kvpolicy")
+        if path != INTERNALS
+        for touch in vllm_private_touches(path, names, overrides)
+    ]
+    assert found == []
+
+
+def names_kvpolicy_defines() -> frozenset[str]:
+    """Every name kvpolicy's own code binds (functions, classes, arguments, imports, variables, attributes
+    it assigns), outside :data:`INTERNALS` (whose assignments are writes to vLLM's objects)."""
+    found: set[str] = set()
+    for path in python_files("kvpolicy"):
+        if path == INTERNALS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                found.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                found.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                found.add(node.id)
+            elif isinstance(node, ast.arg):
+                found.add(node.arg)
+            elif isinstance(node, ast.alias):
+                found.add(node.asname or node.name.split(".")[0])
+    return frozenset(found)
+
+
+def imports_vllm(path: Path) -> bool:
+    return any(module.split(".")[0] == "vllm" for _, module, _ in imports(path))
+
+
+def foreign_private_reads(path: Path, own: frozenset[str]) -> Iterator[str]:
+    """``x._name`` in ``path`` where kvpolicy binds no ``_name`` anywhere (outside :data:`INTERNALS`):
+    someone else's private name, declared in ``internals.SURFACE`` or not."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and node.attr not in own
+        ):
+            yield f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}"
+
+
+NOT_VLLMS = {
+    "_exit": "os._exit (the standard library: a child process ends without running the parent's handlers)",
+    "_handle": "ctypes.CDLL._handle (the standard library: the dlopen handle doctor asks the loader about)",
+}
+"""Private names of other libraries that modules importing vLLM use, each with whose it is."""
+
+
+def test_modules_using_vllm_read_no_private_name_but_their_own() -> None:
+    # What the scan above cannot see: a private name of vLLM's that SURFACE does not declare yet.
+    own = names_kvpolicy_defines() | NOT_VLLMS.keys()
+    found = [
+        read
+        for path in python_files("kvpolicy")
+        if path != INTERNALS and imports_vllm(path)
+        for read in foreign_private_reads(path, own)
+    ]
+    assert found == []
+
+
+def test_the_vllm_private_scan_sees_reads_writes_calls_overrides_and_undeclared_names() -> None:
+    probe = REPO / "tests" / "packaging" / "_probe_vllm_private.py"
+    probe.write_text(
+        "import vllm\n"
+        "from vllm.x import _helper\n"
+        "class Thread(Upstream):\n"
+        "    def _record_operation(self): ...\n"
+        "    def _compute_group_tp_replication_factors(self): ...\n"
+        "def f(worker, pool):\n"
+        "    worker._capacity_only\n"
+        "    worker._lookup_key_prefixes = ()\n"
+        "    worker._tail_key_boundaries()\n"
+        "    pool._not_declared_anywhere\n",
+        encoding="utf-8",
+    )
+    try:
+        names, overrides = vllm_private_names()
+        touches = [touch.split(": ", 1)[1] for touch in vllm_private_touches(probe, names, overrides)]
+        foreign = [read.split(": ", 1)[1] for read in foreign_private_reads(probe, names_kvpolicy_defines())]
+    finally:
+        probe.unlink()
+    assert sorted(touches) == sorted([
+        "from vllm.x import _helper",
+        "defines Thread._record_operation",
+        # A declared override point of the store worker, outside worker.py.
+        "defines Thread._compute_group_tp_replication_factors",
+        "worker._capacity_only",
+        "worker._lookup_key_prefixes",
+        "worker._tail_key_boundaries",
+    ])
+    # Declared or not, a private name kvpolicy does not bind is someone else's.
+    assert sorted(foreign) == [
+        "pool._not_declared_anywhere",
+        "worker._capacity_only",
+        "worker._lookup_key_prefixes",
+        "worker._tail_key_boundaries",
+    ]
