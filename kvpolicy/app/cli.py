@@ -277,10 +277,16 @@ def _demo(args: argparse.Namespace) -> int:
 def _audit(args: argparse.Namespace) -> int:
     """The offline replication audit: the connector's audit on simulated ranks holding the bytes the
     model really holds, then a warm load to check the fallback's bytes."""
-    import os
+    from kvpolicy.app.environment import environment
+
+    # vLLM logs to stdout; keep the report readable, and leave the caller's environment as it was.
+    with environment(VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")):
+        return _run_audit(args)
+
+
+def _run_audit(args: argparse.Namespace) -> int:
     import tempfile
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout; keep the report readable
     policy = load_policy(args.policy)
     from kvpolicy.audit import ReplicationAuditError
     from kvpolicy.mooncake import MooncakeMaster

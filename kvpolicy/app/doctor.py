@@ -47,6 +47,7 @@ from typing import Literal
 from pydantic import Field
 
 from kvpolicy.app.elf import DynamicSection, ElfError, cudart_majors, read_dynamic_file
+from kvpolicy.app.environment import environment
 from kvpolicy.models import DocumentVersion, StrictModel
 from kvpolicy.report import DOCUMENT_VERSIONS
 
@@ -233,7 +234,7 @@ def check_vllm() -> CheckResult:
     distribution = (_distribution_owning("vllm", found) if found else None) or "vllm"
     install = f"pip install '{distribution}>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}'"
     try:
-        with _environment(VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")):  # vLLM logs to stdout
+        with environment(VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")):  # vLLM logs to stdout
             vllm = importlib.import_module("vllm")
             importlib.import_module("vllm.config")  # what the connector imports first
     except Exception as error:  # noqa: BLE001 - ImportError, OSError, or whatever a broken install raises
@@ -700,21 +701,6 @@ def _release_pin() -> str:
         if found:
             return f"=={found.group(1)}"
     return ""
-
-
-@contextlib.contextmanager
-def _environment(**values: str) -> Iterator[None]:
-    """``os.environ`` with ``values`` set, as it was afterwards."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
@@ -297,3 +298,22 @@ def test_keys_of_a_broken_layout_is_a_located_error(capsys: pytest.CaptureFixtur
     broken.write_text("version: 1\nkind: ModelLayout\nmodel: m\ntotal_num_kv_heads: 1\ngroups: []\n")
     code, out, _ = run(capsys, "keys", "--policy", "default", "--layout", str(broken), "--tp", "2")
     assert code == 1 and out.startswith(f"{broken}:5:") and out.rstrip().endswith("]")
+
+
+def test_audit_quiets_vllm_only_while_it_runs_and_leaves_the_callers_environment_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In-process callers (tests, tools) start vLLM processes afterwards: a leaked VLLM_LOGGING_LEVEL=ERROR
+    would silence them."""
+    from kvpolicy.app import cli
+
+    seen: list[str | None] = []
+    # The simulated ranks are not the subject here: only the environment around them.
+    monkeypatch.setattr(cli, "_run_audit", lambda args: seen.append(os.environ.get("VLLM_LOGGING_LEVEL")) or 0)
+    audit = ["audit", "--policy", "default", "--archetype", "mla", "--tp", "2"]
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    assert main(audit) == 0
+    assert "VLLM_LOGGING_LEVEL" not in os.environ
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    assert main(audit) == 0
+    assert (seen, os.environ["VLLM_LOGGING_LEVEL"]) == (["ERROR", "DEBUG"], "DEBUG")
