@@ -442,7 +442,7 @@ def test_a_master_that_never_answers_fails_within_the_timeout(full_backlog: int)
     started = time.monotonic()
     result = check_master(MasterAddress("127.0.0.1", full_backlog), 0.5)
     elapsed = time.monotonic() - started
-    assert 0.4 < elapsed < 1.5
+    assert 0.4 < elapsed < 5, "a connect without the timeout waits for the kernel's SYN retries (over a minute)"
     assert result.message == f"no Mooncake master answers at 127.0.0.1:{full_backlog}: no answer within 0.5 s"
 
 

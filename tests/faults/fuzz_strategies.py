@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 
 from kvpolicy.app.cli import main as cli_main
 from kvpolicy.diagnostics import MAX_MESSAGE_CHARS, Diagnostic
-from kvpolicy.expressions import MAX_INT, Expression, ExpressionError
+from kvpolicy.expressions import MAX_DEPTH, MAX_INT, MAX_SOURCE_LENGTH, Expression, ExpressionError
 from kvpolicy.keys import KEY_TEMPLATE_FIELDS, KeyContext, parse_prefix, render_prefix
 from kvpolicy.loader import MAX_DIAGNOSTICS_PER_FILE, check_file, check_text
 from kvpolicy.models import KeyFormat
@@ -57,8 +57,11 @@ PARSED: dict[str, Any] = {name: yaml.safe_load(text) for name, text in SEEDS.ite
 
 CHECK_SECONDS = 10.0
 """A document the loader has not judged after this long counts as a hang."""
-EXPRESSION_SECONDS = 1.0
-"""Parsing plus evaluating one expression must take less than this."""
+EXPRESSION_SECONDS = 10.0
+"""Parsing plus evaluating one expression not finished after this long counts as a hang. How fast the
+work is belongs to the benchmarks; what keeps it small is structural and asserted directly: an accepted
+expression is at most ``MAX_SOURCE_LENGTH`` characters and ``MAX_DEPTH`` levels deep, and every
+intermediate integer stays within ±``MAX_INT``."""
 
 # --- leaves --------------------------------------------------------------------------------------
 
@@ -625,16 +628,17 @@ def check_contract(text: str, path: str = "fuzzed.yaml") -> tuple[Any, list[Diag
 
 
 def expression_contract(source: str) -> None:
-    """Parsing raises only ``ExpressionError`` and accepts only whitelisted syntax; evaluating gives
-    an integer within ±MAX_INT, a boolean, a string or None, or raises ``ExpressionError``; both
-    finish quickly."""
-    started = time.perf_counter()
-    with time_limit(EXPRESSION_SECONDS * 5, "an expression"):
+    """Parsing raises only ``ExpressionError`` and accepts only whitelisted syntax within the size and
+    depth bounds; evaluating gives an integer within ±MAX_INT, a boolean, a string or None, or raises
+    ``ExpressionError``; neither hangs."""
+    with time_limit(EXPRESSION_SECONDS, "an expression"):
         try:
             expression = Expression(source)
         except ExpressionError:
             return
+        assert len(source) <= MAX_SOURCE_LENGTH, f"a {len(source)}-character expression was accepted"
         tree = ast.parse(source.strip(), mode="eval")
+        assert tree_depth(tree.body) <= MAX_DEPTH, f"{source!r:.80} nests deeper than {MAX_DEPTH} and was accepted"
         illegal = [type(node).__name__ for node in ast.walk(tree.body) if not isinstance(node, ALLOWED_NODES)]
         assert not illegal, f"{source!r} was accepted with {illegal}"
         calls = [node.func for node in ast.walk(tree.body) if isinstance(node, ast.Call)]
@@ -646,8 +650,18 @@ def expression_contract(source: str) -> None:
     assert value is None or isinstance(value, (bool, str)) or (type(value) is int and abs(value) <= MAX_INT), (
         f"{source!r} evaluated to {type(value).__name__} {value!r:.80}"
     )
-    elapsed = time.perf_counter() - started
-    assert elapsed < EXPRESSION_SECONDS, f"{source!r:.80} took {elapsed:.2f} s"
+
+
+def tree_depth(node: ast.AST) -> int:
+    """Levels of the tree below and including ``node``, counted as the expression module counts them:
+    a call's function name is not a level of its own."""
+    operators = (ast.expr_context, ast.operator, ast.unaryop, ast.boolop, ast.cmpop)
+    children = [
+        child
+        for child in ast.iter_child_nodes(node)
+        if not isinstance(child, operators) and not (isinstance(node, ast.Call) and child is node.func)
+    ]
+    return 1 + max((tree_depth(child) for child in children), default=0)
 
 
 # --- the CLI -------------------------------------------------------------------------------------
