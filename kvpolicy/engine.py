@@ -29,6 +29,7 @@ from kvpolicy.models import (
     FieldExpression,
     Group,
     KeyFormat,
+    LayerHeads,
     LayerSpecs,
     Layout,
     Match,
@@ -190,9 +191,10 @@ def _plan(
         "pp_size": topology.pp_size,
         "pcp_size": topology.pcp_size,
         "dcp_size": topology.dcp_size,
-        "total_num_kv_heads": layout.total_num_kv_heads,
+        "total_num_kv_heads": layout.total_num_kv_heads,  # a layer of its own count reads that instead
+        "model_total_num_kv_heads": layout.total_num_kv_heads,
     }
-    specs = _SpecCache(policy, variables, topology)
+    specs = _SpecCache(policy, variables, topology, layout.kv_heads_by_layer)
     ranks = _RankCache(topology, policy.schedule, store_sharding)
     decided: list[GroupDecision] = []
     problems: list[PlanProblem] = []
@@ -229,6 +231,7 @@ def _plan(
         groups=(),
         store_sharding=store_sharding,
         load=policy.load,
+        total_num_kv_heads=layout.total_num_kv_heads,
     )
     prefixes = _PrefixCache(skeleton, ranks)
     groups = tuple(
@@ -407,7 +410,8 @@ FINGERPRINTED: Mapping[type, frozenset[str]] = MappingProxyType({
     Match: frozenset({"spec", "layers", "fields"}),
     KeyFormat: frozenset({"template"}),
     Audit: frozenset(),
-    Layout: frozenset({"total_num_kv_heads", "kv_cache_layout", "groups"}),
+    Layout: frozenset({"total_num_kv_heads", "layer_kv_heads", "kv_cache_layout", "groups"}),
+    LayerHeads: frozenset({"total_num_kv_heads", "layers"}),
     Group: frozenset({"spec", "layers", "uniform"}),
     LayerSpecs: frozenset({"spec", "layers"}),
     Spec: frozenset({"type", "bases", "block_size", "page_size_bytes", "fields"}),
@@ -449,6 +453,7 @@ NOT_FINGERPRINTED: Mapping[type, Mapping[str, str]] = MappingProxyType({
     },
     Group: {"name": _WORDS},
     LayerSpecs: {},
+    LayerHeads: {},
     Spec: {},
     FieldExpression: {},
     Expression: {},
@@ -545,10 +550,14 @@ class _SpecWork:
     modified), and each rule's outcome on it, worked out once (a failure is not remembered, so that
     each group reports its own)."""
 
-    __slots__ = ("_factors", "_matches", "_whens", "chunk_tokens", "every_layer", "signature", "values", "variables")
+    __slots__ = (
+        "_factors", "_matches", "_whens", "chunk_tokens", "every_layer", "kv_heads", "signature", "values", "variables"
+    )
 
-    def __init__(self, values: SpecValues, variables: dict[str, Value], topology: Topology) -> None:
-        self.values, self.variables = values, variables
+    def __init__(
+        self, values: SpecValues, variables: dict[str, Value], topology: Topology, kv_heads: int | None = None
+    ) -> None:
+        self.values, self.variables, self.kv_heads = values, variables, kv_heads
         self.chunk_tokens = values.block_size * _dcp_tokens(values, topology)
         self.signature: dict[str, object] = {
             "type": values.type,
@@ -556,6 +565,8 @@ class _SpecWork:
             "page_size_bytes": values.page_size_bytes,
             "fields": thawed(values.fields),
         }
+        if kv_heads is not None:  # only then, so that plans of layouts without layer_kv_heads keep their fingerprint
+            self.signature["total_num_kv_heads"] = kv_heads
         self._matches: dict[int, RuleMatch] = {}
         self._whens: dict[int, RuleMatch] = {}
         self._factors: dict[int, int] = {}
@@ -591,9 +602,17 @@ class _SpecCache:
     apart by :meth:`Spec.exact_key`, not ``==``, which takes a field's ``true`` for ``1`` and would
     give one spec the other's signature."""
 
-    def __init__(self, policy: Policy, variables: Mapping[str, Value], topology: Topology) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        variables: Mapping[str, Value],
+        topology: Topology,
+        kv_heads_by_layer: Mapping[str, int] = MappingProxyType({}),
+    ) -> None:
         self._variables, self._topology = variables, topology
-        self._work: dict[tuple[str, tuple[str, ...], str, str, str], _SpecWork] = {}
+        self.kv_heads_by_layer = kv_heads_by_layer
+        """The layout's layers of their own KV-head count (:attr:`Layout.kv_heads_by_layer`)."""
+        self._work: dict[tuple[object, ...], _SpecWork] = {}
         self.rule_origins = tuple(policy.rule_origin(index) for index in range(len(policy.rules)))
         """:meth:`Policy.rule_origin` of every rule (a private attribute of the policy, slow to read)."""
         self.layer_globs = any(rule.match.layers is not None for rule in policy.rules)
@@ -602,14 +621,34 @@ class _SpecCache:
         """Without layer globs, a group's decision but for its layer names, by its specs' work, its
         members' layer counts and whether it is demoted: a layout repeats a few groups many times."""
 
-    def work(self, spec: Spec) -> _SpecWork:
-        """Raises :class:`ExpressionError` as :meth:`Spec.evaluate` does."""
-        key = spec.exact_key()
+    def work(self, spec: Spec, kv_heads: int | None = None) -> _SpecWork:
+        """``spec`` on layers of ``kv_heads`` KV heads (None: the model-wide count). Raises
+        :class:`ExpressionError` as :meth:`Spec.evaluate` does."""
+        key = (*spec.exact_key(), kv_heads)
         found = self._work.get(key)
         if found is None:
-            values = spec.evaluate(self._variables)
-            found = self._work[key] = _SpecWork(values, spec_variables(values, self._variables), self._topology)
+            variables = self._variables if kv_heads is None else {**self._variables, "total_num_kv_heads": kv_heads}
+            values = spec.evaluate(variables)
+            found = self._work[key] = _SpecWork(values, spec_variables(values, variables), self._topology, kv_heads)
         return found
+
+    def by_kv_heads(self, members: Sequence[Member]) -> tuple[list[Member], list[int | None]]:
+        """``members`` split where their layers' KV heads differ: a member per spec and count (None
+        for the model-wide one), in order of first appearance; the members as they are when every
+        layer has the model-wide count."""
+        heads_of = self.kv_heads_by_layer
+        if not heads_of:
+            return list(members), [None] * len(members)
+        split: list[Member] = []
+        counts: list[int | None] = []
+        for member in members:
+            runs: dict[int | None, list[str]] = {}
+            for layer in member.layers:
+                runs.setdefault(heads_of.get(layer), []).append(layer)
+            for heads, layers in runs.items():
+                split.append(Member(member.spec, tuple(layers)) if len(runs) > 1 else member)
+                counts.append(heads)
+        return split, counts
 
 
 def _decide_group(
@@ -621,11 +660,11 @@ def _decide_group(
     *,
     demoted: bool,
 ) -> GroupDecision:
-    members = group.members
+    members, kv_heads = specs.by_kv_heads(group.members)
     works = []
-    for member in members:
+    for member, heads in zip(members, kv_heads, strict=True):
         try:
-            works.append(specs.work(member.spec))
+            works.append(specs.work(member.spec, heads))
         except ExpressionError as error:
             raise PlanError(
                 f"{_group_label(index, group)}: {member.spec.type} at {_topology_label(ranks.topology)}: {error.message}"
@@ -634,14 +673,20 @@ def _decide_group(
     shape = specs.shapes.get(shape_key)
     if shape is not None:  # a group like one before: only its layer names are its own
         decisions = [
-            LayerDecision(layer, work.values.type, *work.every_layer)  # type: ignore[misc]
+            LayerDecision(layer, work.values.type, *work.every_layer, kv_heads=work.kv_heads)  # type: ignore[misc]
             for member, work in zip(members, works, strict=True)
             for layer in member.layers
         ]
-        return shape._replace(layer_decisions=tuple(decisions))
-    decision = _decide_new_group(policy, specs, members, works, ranks, _group_label(index, group), demoted=demoted)
-    if not specs.layer_globs:
-        specs.shapes[shape_key] = decision
+        decision = shape._replace(layer_decisions=tuple(decisions))
+    else:
+        decision = _decide_new_group(policy, specs, members, works, ranks, _group_label(index, group), demoted=demoted)
+        if not specs.layer_globs:
+            specs.shapes[shape_key] = decision
+    if len(members) != len(group.members):  # split by KV heads: back to the group's layer order
+        order = {layer: position for position, layer in enumerate(layer for m in group.members for layer in m.layers)}
+        decision = decision._replace(
+            layer_decisions=tuple(sorted(decision.layer_decisions, key=lambda d: order[d.layer]))
+        )
     return decision
 
 
@@ -730,7 +775,9 @@ def _decide_member(
     spec = work.values
     if work.every_layer is not None:
         rule_name, origin, factor, history = work.every_layer
-        return [LayerDecision(layer, spec.type, rule_name, origin, factor, history) for layer in member.layers]
+        return [
+            LayerDecision(layer, spec.type, rule_name, origin, factor, history, work.kv_heads) for layer in member.layers
+        ]
     decisions = _decide_layers(policy, specs.rule_origins, member, work, topology, label)
     if not specs.layer_globs:
         first = decisions[0]
@@ -777,7 +824,10 @@ def _decide_layers(
         locate = functools.partial(policy.expression_origin, rule_index)  # (field, offset) -> file:line:col
         factor = work.factor(rule_index, functools.partial(_rule_factor, rule, variables, topology, where, locate))
         history = tuple(passed_over)
-        decided.update((layer, LayerDecision(layer, spec.type, rule.name, origin, factor, history)) for layer in selected)
+        decided.update(
+            (layer, LayerDecision(layer, spec.type, rule.name, origin, factor, history, work.kv_heads))
+            for layer in selected
+        )
         if len(selected) == len(pending):
             pending = []
         else:
@@ -793,7 +843,9 @@ def _decide_layers(
         factor = topology.tp_size if policy.unmatched is Replication.REPLICATED else 1
         history = tuple(passed_over)
         origin = f"unmatched: {policy.unmatched.value}"
-        decided.update((layer, LayerDecision(layer, spec.type, None, origin, factor, history)) for layer in pending)
+        decided.update(
+            (layer, LayerDecision(layer, spec.type, None, origin, factor, history, work.kv_heads)) for layer in pending
+        )
     return [decided[layer] for layer in member.layers]
 
 

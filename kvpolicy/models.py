@@ -10,6 +10,7 @@ sentence documents the code, the schema and the YAML.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import re
@@ -17,6 +18,7 @@ import typing
 from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 from enum import Enum
 from functools import cached_property
+from types import MappingProxyType
 from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 from pydantic import (
@@ -40,8 +42,11 @@ from kvpolicy.catalog import SPEC_FIELDS, is_subclass
 from kvpolicy.expressions import MAX_INT, Expression, ExpressionError, shared_expression
 from kvpolicy.keys import UPSTREAM_KEY_TEMPLATE, check_template
 
-TOPOLOGY_VARIABLES = ("tp_size", "pp_size", "pcp_size", "dcp_size", "total_num_kv_heads")
-"""Variables every expression may read, besides the fields of the spec being matched."""
+TOPOLOGY_VARIABLES = ("tp_size", "pp_size", "pcp_size", "dcp_size", "total_num_kv_heads", "model_total_num_kv_heads")
+"""Variables every expression may read, besides the fields of the spec being matched.
+``total_num_kv_heads`` is the KV heads of the layer being decided (its entry in the layout's
+``layer_kv_heads``, else the model-wide value); ``model_total_num_kv_heads`` is always the model-wide
+value (vLLM's ``get_total_num_kv_heads()``, which its store uses for every layer)."""
 RESERVED_FIELD_NAMES = frozenset((*TOPOLOGY_VARIABLES, "block_size", "page_size_bytes"))
 """Names a spec field may not have: expressions read them from the topology or the spec itself."""
 
@@ -526,12 +531,19 @@ def _layer_patterns(raw_layout: Any) -> Iterator[str]:
         if not isinstance(group, dict):
             continue
         members = [group, *(group.get("uniform") if isinstance(group.get("uniform"), list) else ())]
-        for member in members:
-            layers = member.get("layers") if isinstance(member, dict) else None
-            if isinstance(layers, str):
-                yield layers
-            elif isinstance(layers, list):
-                yield from (pattern for pattern in layers if isinstance(pattern, str))
+        yield from _entry_patterns(members)
+    heads = raw_layout.get("layer_kv_heads") if isinstance(raw_layout, dict) else None
+    yield from _entry_patterns(heads if isinstance(heads, list) else ())
+
+
+def _entry_patterns(entries: Iterable[Any]) -> Iterator[str]:
+    """The layer-name patterns of raw entries that state ``layers``."""
+    for entry in entries:
+        layers = entry.get("layers") if isinstance(entry, dict) else None
+        if isinstance(layers, str):
+            yield layers
+        elif isinstance(layers, list):
+            yield from (pattern for pattern in layers if isinstance(pattern, str))
 
 
 def expand_layer_pattern(pattern: str) -> tuple[str, ...]:
@@ -830,6 +842,18 @@ class Group(StrictModel):
         return self.uniform is not None
 
 
+class LayerHeads(StrictModel):
+    """Layers whose own KV heads differ from the model-wide ``total_num_kv_heads``."""
+
+    total_num_kv_heads: int = Field(ge=1, le=MAX_INT, strict=True)
+    """The KV heads of each of these layers, over all TP ranks (vLLM's
+    ``model_config.model_arch_config[layer_index].total_num_kv_heads``)."""
+    layers: LayerNames = Field(min_length=1)
+    """Layer names (one, or a list); ``{a..b}`` expands to the integers a through b."""
+
+    _expand = field_validator("layers", mode="before")(LayerSpecs._expand.__func__)  # type: ignore[attr-defined]
+
+
 class Layout(StrictModel):
     """A model's prefix-cacheable KV-cache groups, as vLLM builds them."""
 
@@ -846,6 +870,11 @@ class Layout(StrictModel):
     total_num_kv_heads: int = Field(ge=0, le=MAX_INT, strict=True)
     """Model-wide number of KV heads (vLLM's ``model_config.get_total_num_kv_heads()``); 0 for an
     attention-free model (``mamba``, ``mamba2``, ``falcon_mamba``), which then has no attention group."""
+    layer_kv_heads: tuple[LayerHeads, ...] = ()
+    """Attention layers whose own KV heads differ from ``total_num_kv_heads``: vLLM keeps such values
+    per layer (Gemma-4's full-attention layers, each Nemotron-NAS block) and reports the largest
+    (or, for Nemotron-NAS, the first block's) as the model-wide value. Rules read a layer's own
+    count as ``total_num_kv_heads`` and the model-wide one as ``model_total_num_kv_heads``."""
     kv_cache_layout: KVCacheLayoutName | None = None
     """The ``KVCacheLayout`` the engine resolved for its attention backend (vLLM's CPU backend:
     ``LBHNC``), set when the layout is captured from an engine. It orders the bytes of a stored block,
@@ -886,9 +915,63 @@ class Layout(StrictModel):
                             )
                         )
                     first_seen.setdefault(layer, group_index)
+        for entry_index, entry in enumerate(self.layer_kv_heads):
+            for layer in entry.layers:
+                if len(errors) >= 100:
+                    break
+                location = ("layer_kv_heads", entry_index, "layers")
+                message = self._layer_heads_problem(layer, first_seen, entry_index)
+                if message is not None:
+                    errors.append(
+                        InitErrorDetails(
+                            type=PydanticCustomError("layer-kv-heads", "{message}", {"message": message}),
+                            loc=location,
+                            input=layer,
+                        )
+                    )
         if errors:
             raise ValidationError.from_exception_data(type(self).__name__, errors)
         return self
+
+    def _layer_heads_problem(self, layer: str, group_of: Mapping[str, int], entry_index: int) -> str | None:
+        """Why ``layer`` cannot have its own KV heads, or None."""
+        group_index = group_of.get(layer)
+        if group_index is None:
+            close = difflib.get_close_matches(layer, list(group_of)[:10_000], n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else "; name a layer of one of the groups"
+            return f"layer '{layer}' is in no group{hint}"
+        first = self._layer_heads_entry.get(layer)
+        if first != entry_index:
+            return f"layer '{layer}' already has its KV heads in layer_kv_heads entry {first}; a layer has one count"
+        spec = next(member.spec for member in self.groups[group_index].members if layer in member.layers)
+        if not ("AttentionSpec" in spec.classes or is_subclass(spec.type, "AttentionSpec")):
+            return f"layer '{layer}' holds {spec.type}, which has no KV heads; remove it from layer_kv_heads"
+        return None
+
+    @cached_property
+    def _layer_heads_entry(self) -> dict[str, int]:
+        """The first ``layer_kv_heads`` entry naming each layer."""
+        first: dict[str, int] = {}
+        for index, entry in enumerate(self.layer_kv_heads):
+            for layer in entry.layers:
+                first.setdefault(layer, index)
+        return first
+
+    @cached_property
+    def kv_heads_by_layer(self) -> Mapping[str, int]:
+        """Each layer whose own KV heads differ from ``total_num_kv_heads``, with its count."""
+        return MappingProxyType(
+            {
+                layer: entry.total_num_kv_heads
+                for entry in self.layer_kv_heads
+                for layer in entry.layers
+                if entry.total_num_kv_heads != self.total_num_kv_heads
+            }
+        )
+
+    def layer_total_num_kv_heads(self, layer: str) -> int:
+        """The KV heads of ``layer``: its ``layer_kv_heads`` entry, else the model-wide value."""
+        return self.kv_heads_by_layer.get(layer, self.total_num_kv_heads)
 
     @field_validator("groups")
     @classmethod

@@ -25,6 +25,9 @@ class LayerDecision(NamedTuple):
     factor: int
     passed_over: tuple[tuple[str, str], ...] = ()
     """(rule name, reason it did not match) for every earlier rule."""
+    kv_heads: int | None = None
+    """The layer's own KV heads where they differ from the model-wide count (the layout's
+    ``layer_kv_heads``); None where the layer has the model-wide count."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,16 @@ class GroupPlan:
     def origins(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(decision.origin for decision in self.decisions))
 
+    @property
+    def own_kv_heads(self) -> tuple[tuple[int, int], ...]:
+        """(KV heads, layers) for the layers whose own KV-head count differs from the model-wide one,
+        by count in first-use order; empty when every layer has the model-wide count."""
+        counts: dict[int, int] = {}
+        for decision in self.decisions:
+            if decision.kv_heads is not None:
+                counts[decision.kv_heads] = counts.get(decision.kv_heads, 0) + 1
+        return tuple(counts.items())
+
     def writers(self, chunk_index: int) -> tuple[int, ...]:
         return tuple(rank.tp_rank for rank in self.ranks if rank.schedule.writes(chunk_index))
 
@@ -123,6 +136,8 @@ class Plan:
     """vLLM's TP-sharded store layout, when the deployment opted into it; None for rank-local objects."""
     load: LoadMode = LoadMode.PER_RANK
     """How replica sets read their chunks on a hit (the policy's ``load``)."""
+    total_num_kv_heads: int = 0
+    """The layout's model-wide KV heads (a layer's own count is in its :class:`LayerDecision`)."""
 
     @property
     def factors(self) -> tuple[int, ...]:

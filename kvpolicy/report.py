@@ -113,7 +113,19 @@ def format_plan_table(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | No
             lines.append("  ".join("-" * width for width in widths))
     ratio = f" ({baseline / written:.2f}x less than no dedup)" if written else ""
     lines.append(f"total written per token: {format_bytes(written)} vs {format_bytes(baseline)} without dedup{ratio}")
+    lines.extend(_own_kv_heads_lines(plan))
     return "\n".join(lines)
+
+
+def _own_kv_heads_lines(plan: Plan) -> list[str]:
+    """A line per group some of whose layers have their own KV-head count."""
+    return [
+        f"group {group.index} {group.name}: "
+        + ", ".join(f"{layers} layer{'s' * (layers != 1)} with {heads} KV heads" for heads, layers in group.own_kv_heads)
+        + f" (model-wide: {plan.total_num_kv_heads})"
+        for group in plan.groups
+        if group.own_kv_heads
+    ]
 
 
 def format_explanation(plan: Plan) -> str:
@@ -125,12 +137,16 @@ def format_explanation(plan: Plan) -> str:
         # thousands of layers). Decisions of one spec share their history tuple, so keys hash fast.
         alike: dict[tuple[object, ...], list[LayerDecision]] = {}
         for decision in group.decisions:
-            key = (decision.spec_type, decision.rule, decision.factor, decision.passed_over)
+            key = (decision.spec_type, decision.rule, decision.factor, decision.passed_over, decision.kv_heads)
             alike.setdefault(key, []).append(decision)
         for same in alike.values():
             decision = same[0]
             layers = decision.layer if len(same) == 1 else f"{decision.layer} (+{len(same) - 1} more layers alike)"
-            lines.append(f"  {layers}: {decision.spec_type}")
+            heads = (
+                "" if decision.kv_heads is None
+                else f", {decision.kv_heads} KV heads of its own (model-wide: {plan.total_num_kv_heads})"
+            )
+            lines.append(f"  {layers}: {decision.spec_type}{heads}")
             for rule, reason in decision.passed_over:
                 lines.append(f"    - {rule}: skipped, {reason}")
             verdict = f"rule {decision.rule} ({decision.origin})" if decision.rule else decision.origin
@@ -170,6 +186,7 @@ def plan_to_json(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = 
                 "demoted": group.demoted,
                 "audit": statuses[group.index],
                 "chunk_tokens": group.chunk_tokens,
+                "own_kv_heads": [{"total_num_kv_heads": heads, "layers": layers} for heads, layers in group.own_kv_heads],
                 "lookup_namespaces": list(group.lookup_namespaces),
                 "ranks": [
                     {

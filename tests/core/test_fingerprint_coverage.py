@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from kvpolicy.engine import FINGERPRINTED, NOT_FINGERPRINTED, make_plan
 from kvpolicy.expressions import Expression
 from kvpolicy.keys import UPSTREAM_KEY_TEMPLATE, KeyContext
-from kvpolicy.models import Audit, FieldExpression, Group, KeyFormat, LayerSpecs, Layout, Match, Policy, Rule, Spec, Topology
+from kvpolicy.models import Audit, FieldExpression, Group, KeyFormat, LayerHeads, LayerSpecs, Layout, Match, Policy, Rule, Spec, Topology
 from kvpolicy.store_layout import StoreSharding
 
 PLAN_INPUTS = (Policy, Layout, Topology, KeyContext, StoreSharding)
@@ -174,6 +174,11 @@ def custom_latent(documents_: Documents) -> None:
     mla_group(documents_)["spec"].update(type="CustomLatentSpec", bases=list(CUSTOM_BASES))
 
 
+def own_heads(count: int, *layers: str) -> dict[str, Any]:
+    """A ``layer_kv_heads`` entry: ``layers`` have ``count`` KV heads of their own."""
+    return {"total_num_kv_heads": count, "layers": list(layers)}
+
+
 def policy_doc(documents_: Documents) -> dict[str, Any]:
     return documents_["policy"]
 
@@ -223,6 +228,15 @@ PERTURBATIONS: dict[tuple[type, str], tuple[Change | None, Change] | None] = {
     (Layout, "description"): (None, setting(layout_doc, description="other words")),
     (Layout, "source"): (None, setting(layout_doc, source={"num_key_value_heads": 8})),
     (Layout, "total_num_kv_heads"): (add_full_rule("max(1, tp_size // total_num_kv_heads)"), setting(layout_doc, total_num_kv_heads=2)),
+    (Layout, "layer_kv_heads"): (None, setting(layout_doc, layer_kv_heads=[own_heads(4, "model.layers.4.attn")])),
+    (LayerHeads, "total_num_kv_heads"): (
+        setting(layout_doc, layer_kv_heads=[own_heads(4, "model.layers.4.attn")]),
+        setting(layout_doc, layer_kv_heads=[own_heads(2, "model.layers.4.attn")]),
+    ),
+    (LayerHeads, "layers"): (
+        setting(layout_doc, layer_kv_heads=[own_heads(4, "model.layers.4.attn")]),
+        setting(layout_doc, layer_kv_heads=[own_heads(4, "model.layers.5.attn")]),
+    ),
     (Layout, "kv_cache_layout"): (None, setting(layout_doc, kv_cache_layout="LBHNC")),
     (Layout, "groups"): (None, lambda documents_: layout_doc(documents_)["groups"].pop()),
     (Group, "name"): (None, setting(mla_group, name="renamed")),
