@@ -47,6 +47,9 @@ CHECKS: tuple[Check, ...] = (
     Check("KVP202", "unknown-spec-field", "warning", "A rule matches a field no known spec class has."),
     Check("KVP203", "unreachable-rule", "warning", "An earlier rule matches everything this rule matches."),
     Check("KVP204", "unexpected-bases", "warning", "A spec's base classes differ from vLLM 0.32's for that class."),
+    Check("KVP205", "router-unreadable-keys", "warning",
+          "Routers reading vLLM store keys (Mooncake Conductor's grammar) would not read the key template's keys as the "
+          "key contract states them."),
     Check("KVP301", "plan-refused", "error",
           "The engine cannot prove a plan consistent for this layout and topology (or vLLM refuses the topology)."),
     Check("KVP901", "too-many-problems", "error", "More problems than are listed for one file; fix these first."),

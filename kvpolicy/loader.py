@@ -22,7 +22,8 @@ from pydantic import BaseModel, ValidationError
 from kvpolicy import catalog
 from kvpolicy.diagnostics import CHECKS_BY_NAME, Diagnostic, DocumentError
 from kvpolicy.expressions import Expression, ExpressionError
-from kvpolicy.models import SPEC_VARIABLES, Layout, Policy, expression_variables
+from kvpolicy.models import SPEC_VARIABLES, AuditMode, Layout, Policy, expression_variables
+from kvpolicy.routers import template_router_problems
 from kvpolicy.yamlsource import MAX_DOCUMENT_BYTES, Path, SourceMap, parse
 
 Document = Policy | Layout
@@ -436,6 +437,27 @@ def _policy_checks(policy: Policy, source: SourceMap) -> Iterator[Diagnostic]:
                 code="KVP203",
                 severity="warning",
             )
+    yield from _router_checks(policy, source)
+
+
+def _router_checks(policy: Policy, source: SourceMap) -> Iterator[Diagnostic]:
+    """``KVP205``: a key template whose keys the routers that read vLLM store keys would not read as
+    the key contract states them (:func:`kvpolicy.routers.template_router_problems`), at the
+    template, at the field at fault where one is. A policy without a template keeps vLLM's keys,
+    which routers were written for."""
+    location: Path = ("key", "template")
+    if source.value_position(location) is None:
+        return
+    template = policy.key.template
+    for problem in template_router_problems(template, audited=policy.audit.mode is not AuditMode.OFF):
+        at = template.find("{" + problem.field + "}") if problem.field else -1
+        yield source.diagnostic(
+            location,
+            f"key template: {problem.message}",
+            code="KVP205",
+            severity="warning",
+            offset=at if at >= 0 else None,
+        )
 
 
 class _ShadowIndex:

@@ -122,6 +122,11 @@ class KVPolicySettings(BaseModel):
     """A file rank 0 writes the key contract to (what ``kvpolicy keys --format json`` prints), at
     start-up and whenever the audit changes the plan. Unset, an instance given ``kvpolicy_plan_json``
     writes it beside the plan as ``<plan file stem>.keys.json``."""
+    kvpolicy_dynamo_json: Path | None = None
+    """A file rank 0 writes Dynamo's router descriptor to (what ``kvpolicy keys --format dynamo``
+    prints: every group's kind, geometry and exact key prefixes), with the key contract and whenever
+    it is rewritten. A plan Dynamo's format cannot describe (an MLA group, say) writes none and
+    removes one left from before, saying why in the log."""
     kvpolicy_layout_out: Path | None = None
     """A file rank 0 writes, at start-up, the layout it planned (the ``ModelLayout`` of its
     ``KVCacheConfig``), for ``kvpolicy validate`` / ``kvpolicy plan --layout``."""
@@ -144,7 +149,7 @@ class KVPolicySettings(BaseModel):
             return os.fspath(setting) or None
         raise _problem(f"is a {type(setting).__name__}; {policy_usage()}")
 
-    @field_validator("kvpolicy_plan_json", "kvpolicy_keys_json", "kvpolicy_layout_out", mode="before")
+    @field_validator("kvpolicy_plan_json", "kvpolicy_keys_json", "kvpolicy_dynamo_json", "kvpolicy_layout_out", mode="before")
     @classmethod
     def _path(cls, value: object) -> object:
         if value is None or value == "":

@@ -17,7 +17,7 @@ from typing import Any
 from kvpolicy import schema
 from kvpolicy.app.diagnostic_formats import FORMATS, FileResult, Selection, parse_codes, render
 from kvpolicy.app.topology_flags import add_topology_flag, add_topology_flags, topology_from_args
-from kvpolicy.contract import key_contract
+from kvpolicy.contract import KeyContract, key_contract
 from kvpolicy.diagnostics import DocumentError, PlanError
 from kvpolicy.engine import make_plan, plan_deployment
 from kvpolicy.loader import check_file, load_layout, load_policy, schemas_dir, shipped_policy_names
@@ -32,6 +32,7 @@ from kvpolicy.report import (
     traffic_to_json,
     versioned,
 )
+from kvpolicy.routers import RouterExportError, check_dynamo_descriptor, dynamo_descriptor, dynamo_refusals
 from kvpolicy.settings import KVPolicySettings, PolicySelection
 from kvpolicy.store_layout import StoreSelection
 from kvpolicy.traffic import prompt_traffic
@@ -124,10 +125,32 @@ def _planned(args: argparse.Namespace) -> tuple[Plan, Layout, StoreSelection]:
 def _keys(args: argparse.Namespace) -> int:
     result, layout, _ = _planned(args)
     contract = key_contract(result, layout)
+    if args.format == "dynamo":
+        return _dynamo(contract, layout)
     if args.format == "json":
         print(json.dumps(contract.model_dump(mode="json"), indent=2))
     else:
         print(format_key_contract(contract))
+    return 0
+
+
+def _dynamo(contract: KeyContract, layout: Layout) -> int:
+    """Dynamo's router descriptor of the plan on stdout; exit 1, with every reason, where its format
+    cannot describe the plan. What today's Dynamo refuses besides the format goes to stderr."""
+    try:
+        descriptor = dynamo_descriptor(contract, layout)
+    except RouterExportError as error:
+        for problem in error.problems:
+            print(f"error: no Dynamo descriptor: {_one_line(problem)}")
+        return 1
+    problems = check_dynamo_descriptor(descriptor).problems
+    for problem in problems:
+        print(f"error: Dynamo's validator refuses the descriptor: {_one_line(problem)}")
+    if problems:
+        return 1
+    print(json.dumps(descriptor.model_dump(mode="json"), indent=2))
+    for refusal in dynamo_refusals(contract, descriptor):
+        print(f"note: Dynamo (PR #14965) refuses this today: {refusal}", file=sys.stderr)
     return 0
 
 
@@ -417,7 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
             help="the KV cache layout the attention backend resolves (vLLM's CPU backend: LBHNC); default: the "
             "layout's kv_cache_layout, else unknown (LBNHC, vLLM's preference, where --store-tp needs one)",
         )
-        command.add_argument("--format", choices=("text", "json"), default="text")
+        formats = ("text", "json", "dynamo") if name == "keys" else ("text", "json")
+        command.add_argument(
+            "--format", choices=formats, default="text",
+            help="text, json (the key contract) or dynamo (Dynamo's router descriptor)" if name == "keys" else None,
+        )
         command.set_defaults(run=run)
         if name == "keys":
             continue

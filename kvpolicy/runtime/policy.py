@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpolicy.audit import AuditState, AuditStatus, ReplicationAuditError, StepOutcome, ValueComparison
-from kvpolicy.contract import key_contract
+from kvpolicy.contract import KeyContract, key_contract
 from kvpolicy.dumper import dump_layout
 from kvpolicy.engine import make_plan
 from kvpolicy.keys import KeyContext
@@ -32,6 +32,13 @@ from kvpolicy.loader import schemas_dir
 from kvpolicy.models import Layout, Policy, Topology
 from kvpolicy.plan import Plan
 from kvpolicy.report import format_plan_table, plan_to_json
+from kvpolicy.routers import (
+    DynamoDeployment,
+    RouterExportError,
+    check_dynamo_descriptor,
+    dynamo_descriptor,
+    dynamo_refusals,
+)
 from kvpolicy.runtime.audit_step import Report, Samples, conclude_step
 from kvpolicy.runtime.markers import (
     LookupGate,
@@ -140,8 +147,10 @@ class RankPolicy:
 
     ``store`` is the rank's store client (markers), ``gather`` the collective over the TP ranks,
     ``clock`` the read-failure memory's time (or ``read_failures`` itself, and the ``tally``, when the
-    caller made them before the store existed). ``plan_json`` / ``keys_json`` are where the first rank
-    writes the status documents (None: not written)."""
+    caller made them before the store existed). ``plan_json`` / ``keys_json`` / ``dynamo_json`` are
+    where the first rank writes the status documents (None: not written); ``dynamo_deployment`` is
+    what Dynamo's descriptor states of the deployment besides the plan (None: hashing as Dynamo needs,
+    of an unknown vLLM)."""
 
     def __init__(
         self,
@@ -152,6 +161,8 @@ class RankPolicy:
         place: RankPlace = RankPlace(),
         plan_json: Path | None = None,
         keys_json: Path | None = None,
+        dynamo_json: Path | None = None,
+        dynamo_deployment: DynamoDeployment | None = None,
         read_failure_ttl_s: float = DEFAULT_READ_FAILURE_TTL_S,
         clock: Clock = time.monotonic,
         read_failures: ReadFailures | None = None,
@@ -169,6 +180,8 @@ class RankPolicy:
         self._gather = gather
         self._plan_json = plan_json if place.is_first_rank else None
         self._keys_json = keys_json if place.is_first_rank else None
+        self._dynamo_json = dynamo_json if place.is_first_rank else None
+        self._dynamo_deployment = dynamo_deployment
         self._audit: AuditState | None = None
         self._layout: Layout | None = None
         self._gate_logged = False
@@ -245,20 +258,45 @@ class RankPolicy:
         )
         self.write_status()
         self.tally.plan(state.plan)
-        for what, path in (("plan", self._plan_json), ("key contract", self._keys_json)):
-            if path is not None:
+        for what, path in (
+            ("plan", self._plan_json), ("key contract", self._keys_json), ("Dynamo router descriptor", self._dynamo_json)
+        ):
+            if path is not None and path.exists():
                 logger.info("kvpolicy %s written to %s", what, path)
 
     def write_status(self) -> None:
-        """Rewrite the plan file and the key contract (where configured) for the plan now run."""
+        """Rewrite the plan file, the key contract and Dynamo's descriptor (where configured) for the
+        plan now run."""
         state = self._require_audit()
-        if self._keys_json is not None:
+        if self._keys_json is not None or self._dynamo_json is not None:
             if self._layout is None:
                 raise RuntimeError("a key contract needs the layout the plan was made from (RankPolicy.start)")
             contract = key_contract(state.plan, self._layout)
-            write_text_atomically(self._keys_json, json.dumps(contract.model_dump(mode="json"), indent=2) + "\n")
+            if self._keys_json is not None:
+                write_text_atomically(self._keys_json, json.dumps(contract.model_dump(mode="json"), indent=2) + "\n")
+            if self._dynamo_json is not None:
+                self._write_dynamo_descriptor(self._dynamo_json, contract, self._layout)
         if self._plan_json is not None:
             write_text_atomically(self._plan_json, json.dumps(status_document(state.plan, state), indent=2) + "\n")
+
+    def _write_dynamo_descriptor(self, path: Path, contract: KeyContract, layout: Layout) -> None:
+        """Dynamo's descriptor of ``contract`` to ``path``; where the plan has none (a group Dynamo has
+        no kind for, a limit passed), no file: one left from an earlier plan would send the router to
+        prefixes this plan does not write."""
+        try:
+            descriptor = dynamo_descriptor(contract, layout, self._dynamo_deployment)
+        except RouterExportError as error:
+            reasons = error.problems
+        else:
+            reasons = check_dynamo_descriptor(descriptor).problems
+            if not reasons:
+                write_text_atomically(path, json.dumps(descriptor.model_dump(mode="json"), indent=2) + "\n")
+                refused = dynamo_refusals(contract, descriptor)
+                if refused:
+                    logger.info("kvpolicy: Dynamo's router (PR #14965) does not accept this descriptor yet: %s", "; ".join(refused))
+                return
+        path.unlink(missing_ok=True)
+        logger.warning("kvpolicy: no Dynamo router descriptor for this plan (%s not written): %s", path, "; ".join(reasons))
 
     # --- an audited step --------------------------------------------------------------------------
 

@@ -4,11 +4,13 @@ and the online replication audit (see :mod:`kvpolicy.vllm.audit`)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Self
 
 import torch
+import vllm
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     ChunkedTokenDatabase,
@@ -26,6 +28,7 @@ from kvpolicy.audit import AuditState, ReplicationAuditError
 from kvpolicy.keys import KeyContext, model_basename, split_chunk_key
 from kvpolicy.models import Layout, LoadMode, Policy, Topology
 from kvpolicy.plan import Plan
+from kvpolicy.routers import DynamoDeployment, DynamoHashContract
 from kvpolicy.runtime.collective import PeerExchange
 from kvpolicy.runtime.policy import RankPlace, RankPolicy, capture_layout, plan_and_replan
 from kvpolicy.settings import KVPolicySettings
@@ -258,11 +261,25 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             ),
             plan_json=settings.kvpolicy_plan_json,
             keys_json=settings.keys_json_path(),
+            dynamo_json=settings.kvpolicy_dynamo_json,
+            dynamo_deployment=self._dynamo_deployment(),
             read_failures=self._read_failures,
             tally=self._tally,
         )
         # Runs inside upstream's __init__: the store client exists, the send thread does not yet.
         return self._runtime.start(declared, replan, layout=layout)
+
+    def _dynamo_deployment(self) -> DynamoDeployment:
+        """What Dynamo's descriptor states of this instance: its vLLM, hash algorithm and hash seed."""
+        seed = os.environ.get("PYTHONHASHSEED")
+        return DynamoDeployment(
+            vllm_revision=vllm.__version__,
+            hash=DynamoHashContract(
+                algorithm=str(self.cache_config.prefix_caching_hash_algo),
+                # Unset, vLLM seeds a cryptographic hash with its own default and any other at random.
+                seed_policy=f"pythonhashseed-{seed}" if seed is not None else "pythonhashseed-unset",
+            ),
+        )
 
     # --- the three override points ---------------------------------------------------------------
 

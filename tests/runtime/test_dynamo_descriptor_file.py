@@ -1,0 +1,98 @@
+"""The connector's ``kvpolicy_dynamo_json``: the first rank writes Dynamo's router descriptor of the
+plan it runs beside the key contract, rewrites it when the audit changes the plan, and writes none
+(removing one left from before) for a plan Dynamo cannot describe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from runtime_support import TP, ListGather, MemoryStore, audited_policy, hybrid_layout, planner
+
+from kvpolicy.audit import Digest
+from kvpolicy.contract import key_contract
+from kvpolicy.loader import load_layout
+from kvpolicy.models import Layout
+from kvpolicy.routers import DynamoDeployment, DynamoDescriptor, check_dynamo_descriptor
+from kvpolicy.runtime.audit_step import encode_report
+from kvpolicy.runtime.policy import RankPlace, RankPolicy
+
+GQA = """\
+version: 1
+kind: ModelLayout
+model: org/gqa
+total_num_kv_heads: 1
+groups:
+  - name: attn
+    spec: {type: FullAttentionSpec, bases: [AttentionSpec, KVCacheSpec], block_size: 16, page_size_bytes: 1024,
+           fields: {num_kv_heads: 1, max_tp_shards: null}}
+    layers: [l.0.attn]
+"""
+"""One KV head at TP 4: the attention group is replicated over every rank, so the audit has work."""
+
+
+def gqa_layout(tmp_path: Path) -> Layout:
+    path = tmp_path / "gqa.yaml"
+    path.write_text(GQA, encoding="utf-8")
+    return load_layout(path)
+
+
+def started(layout: Layout, gather: ListGather | None = None, **kwargs) -> RankPolicy:
+    policy = audited_policy()
+    declared, replan = planner(policy, layout)
+    runtime = RankPolicy(policy, store=MemoryStore(), gather=gather or ListGather(), **kwargs)
+    runtime.start(declared, replan, layout=layout)
+    return runtime
+
+
+def written(path: Path) -> DynamoDescriptor:
+    return DynamoDescriptor.model_validate(json.loads(path.read_text(encoding="utf-8")))
+
+
+def lookup_prefixes(runtime: RankPolicy, layout: Layout) -> list[tuple[str, ...]]:
+    assert runtime.plan is not None
+    return [tuple(sorted(group.lookup_prefixes)) for group in key_contract(runtime.plan, layout).groups]
+
+
+def test_the_first_rank_writes_the_descriptor_of_the_plan_it_runs(tmp_path: Path) -> None:
+    layout, path = gqa_layout(tmp_path), tmp_path / "dynamo.json"
+    runtime = started(layout, dynamo_json=path)
+    runtime.report_plan()
+    descriptor = written(path)
+    assert check_dynamo_descriptor(descriptor).problems == ()
+    assert [group.key_prefixes for group in descriptor.groups] == lookup_prefixes(runtime, layout)
+
+
+def test_the_descriptor_follows_a_demotion(tmp_path: Path) -> None:
+    layout, path = gqa_layout(tmp_path), tmp_path / "dynamo.json"
+    runtime = started(layout, dynamo_json=path)
+    runtime.report_plan()
+    before = written(path)
+    differs = [Digest("d1", all_zero=False)] * (TP - 1) + [Digest("d2", all_zero=False)]
+    runtime.conclude_step(lambda: [encode_report({0: digest}) for digest in differs],
+                          lambda groups: [{group: bytes(8) for group in groups} for _ in range(TP)],
+                          distance=lambda a, b: 1.0)
+    after = written(path)
+    assert runtime.plan is not None and runtime.plan.factors == (1,)
+    assert after.groups[0].key_prefixes != before.groups[0].key_prefixes
+    assert [group.key_prefixes for group in after.groups] == lookup_prefixes(runtime, layout)
+
+
+def test_the_descriptor_states_the_deployment_it_is_given(tmp_path: Path) -> None:
+    path = tmp_path / "dynamo.json"
+    started(gqa_layout(tmp_path), dynamo_json=path, dynamo_deployment=DynamoDeployment(vllm_revision="0.32.0")).report_plan()
+    assert written(path).vllm_revision == "0.32.0"
+
+
+def test_a_plan_dynamo_cannot_describe_writes_none_and_removes_an_old_one(tmp_path: Path) -> None:
+    path = tmp_path / "dynamo.json"
+    path.write_text("{}", encoding="utf-8")
+    started(hybrid_layout(tmp_path), dynamo_json=path).report_plan()  # an MLA group
+    assert not path.exists()
+
+
+def test_another_rank_writes_no_descriptor(tmp_path: Path) -> None:
+    path = tmp_path / "dynamo.json"
+    started(gqa_layout(tmp_path), dynamo_json=path, gather=ListGather(rank=1),
+            place=RankPlace(tp_rank=1, is_first_rank=False)).report_plan()
+    assert not path.exists()
