@@ -118,6 +118,11 @@ def _layout_data(layout: Layout) -> dict[str, Any]:
     if layout.source:
         data["source"] = _plain(layout.source)
     data["total_num_kv_heads"] = layout.total_num_kv_heads
+    if layout.layer_kv_heads:
+        data["layer_kv_heads"] = [
+            {"total_num_kv_heads": entry.total_num_kv_heads, "layers": _plain(compress_layer_names(entry.layers))}
+            for entry in layout.layer_kv_heads
+        ]
     if layout.kv_cache_layout is not None:
         data["kv_cache_layout"] = layout.kv_cache_layout
     data["groups"] = [_group_data(group) for group in layout.groups]

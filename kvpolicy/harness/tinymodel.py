@@ -4,9 +4,10 @@ No hub access: the weights come from a seeded transformers model and the tokeniz
 BPE trained on a few fixed sentences. The same arguments always write the same files (byte for
 byte, apart from ``config.json``'s transformers version field).
 
-Four architectures: a dense Llama, and three hybrids whose recurrent state vLLM shards over TP
-ranks by heads or channels, next to attention layers whose KV heads are replicated when TP exceeds
-their count — the case kvpolicy exists for:
+Five architectures: a dense Llama; three hybrids whose recurrent state vLLM shards over TP ranks
+by heads or channels, next to attention layers whose KV heads are replicated when TP exceeds their
+count — the case kvpolicy exists for; and a Gemma-4 whose sliding-window and full-attention layers
+have KV-head counts of their own (vLLM keeps them per layer, and reports the larger model-wide):
 
 =========== ======================== ================ =========================================
 name        architecture             state            served in
@@ -15,6 +16,7 @@ llama       ``LlamaForCausalLM``     none             float32
 qwen3-next  ``Qwen3NextForCausalLM`` Gated DeltaNet   bfloat16 (vLLM's CPU GDN kernel needs it)
 nemotron-h  ``NemotronHForCausalLM`` Mamba2           float32
 lfm2        ``Lfm2ForCausalLM``      short conv       float32
+gemma4      ``Gemma4ForCausalLM``    none             float32
 =========== ======================== ================ =========================================
 
 Weights are drawn with a larger standard deviation than a real model's (``init_std`` 0.2) so that
@@ -281,6 +283,56 @@ def make_tiny_lfm2(
     return _save(config, directory, dtype="float32", init_std=init_std, seed=seed)
 
 
+def make_tiny_gemma4(
+    directory: str | os.PathLike[str],
+    *,
+    num_kv_heads: int,
+    num_global_kv_heads: int = 2,
+    sliding_window: int = 128,
+    init_std: float = 0.2,
+    seed: int = 0,
+) -> Path:
+    """A random float32 Gemma-4 (text only): sliding-window layers 0 and 2 with *num_kv_heads* KV heads,
+    full-attention layers 1 and 3 with *num_global_kv_heads*.
+
+    vLLM 0.32 reads the full-attention layers' count per layer: transformers' ``Gemma4TextConfig``
+    gives those layers ``num_global_key_value_heads`` in its ``per_layer_config`` only when
+    ``attention_k_eq_v`` is set (keys and values share one projection), and vLLM's architecture
+    config keeps the per-layer values (``model_arch_config[layer_index]``) and reports the largest
+    as ``get_total_num_kv_heads()``. Both kinds of layer have head dim 32, so a rank's pages are the
+    same size. The window (128 tokens) holds a prompt of 97 tokens and its 8 generated ones, so the
+    store keeps every full block of both groups, as ``kvpolicy plan --prompt-tokens`` counts them: with
+    a shorter window vLLM frees the blocks that fall out of it before the save, and the store skips
+    them (measured: a 64-token window kept 2 of a 97-token prompt's 3 blocks per rank). Per-layer
+    input embeddings are off.
+    """
+    _check_kv_heads(num_kv_heads, 4)
+    _check_kv_heads(num_global_kv_heads, 4)
+    from transformers import Gemma4TextConfig
+
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    config = Gemma4TextConfig(
+        **_special_tokens(make_tokenizer()),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        head_dim=32,
+        global_head_dim=32,
+        num_global_key_value_heads=num_global_kv_heads,
+        attention_k_eq_v=True,
+        sliding_window=sliding_window,
+        hidden_size_per_layer_input=0,
+        final_logit_softcapping=None,
+        max_position_embeddings=1024,
+        initializer_range=init_std,
+        tie_word_embeddings=False,
+    )
+    return _save(config, directory, dtype="float32", init_std=init_std, seed=seed)
+
+
 @dataclass(frozen=True)
 class TinyArchitecture:
     """One architecture :func:`make_tiny_model` can write."""
@@ -308,6 +360,7 @@ ARCHITECTURES: dict[str, TinyArchitecture] = {
         TinyArchitecture("qwen3-next", "Qwen3NextForCausalLM", "Gated DeltaNet", "bfloat16", make_tiny_qwen3_next),
         TinyArchitecture("nemotron-h", "NemotronHForCausalLM", "Mamba2", "float32", make_tiny_nemotron_h),
         TinyArchitecture("lfm2", "Lfm2ForCausalLM", "short conv", "float32", make_tiny_lfm2),
+        TinyArchitecture("gemma4", "Gemma4ForCausalLM", None, "float32", make_tiny_gemma4),
     )
 }
 """Every architecture :func:`make_tiny_model` writes, by name."""

@@ -22,45 +22,47 @@ upstream's versions only through ``super()``.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import importlib
 import inspect
 import queue
 import textwrap
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
     "REPEATED_INITS",
-    "capacity_only",
-    "counter_class",
-    "gauge_class",
-    "contiguous_blocks_for_hit",
-    "hooked_sending_thread",
-    "init_connector_worker_role",
-    "kv_cache_config",
-    "kv_cache_groups",
-    "lookup_key_prefixes",
-    "present_block",
-    "set_lookup_key_prefixes",
-    "Ranks",
-    "init_standalone",
     "SURFACE",
     "Internal",
+    "Ranks",
     "RepeatedInit",
     "adopt_class",
+    "assignments_and_calls",
     "bind_plan",
+    "capacity_only",
+    "contiguous_blocks_for_hit",
+    "counter_class",
     "decorate_recv_stores",
     "decorate_send_store",
-    "assignments_and_calls",
     "drift",
     "fp8_dtype",
+    "gauge_class",
+    "hooked_sending_thread",
+    "init_connector_worker_role",
+    "init_standalone",
+    "kv_cache_config",
+    "kv_cache_groups",
+    "layer_total_num_kv_heads",
+    "lookup_key_prefixes",
     "make_mooncake_group_id",
+    "present_block",
     "record_operation",
     "replicate_config_supports_group_ids",
     "resolve",
+    "set_lookup_key_prefixes",
     "tail_key_boundaries",
 ]
 
@@ -72,8 +74,11 @@ DECODE_BENCH = "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connec
 COORDINATOR = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator"
 PROM = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
 MANAGERS = "vllm.v1.core.single_type_kv_cache_manager"
+MODEL_CONFIG = "vllm.config.model"
+MODEL_ARCH = "vllm.config.model_arch"
+MODEL_UTILS = "vllm.model_executor.models.utils"
 
-Kind = Literal["override", "call", "attribute", "constant"]
+Kind = Literal["override", "call", "attribute", "field", "constant"]
 
 
 @dataclass(frozen=True)
@@ -87,10 +92,11 @@ class Internal:
     kind: Kind
     """``override``: kvpolicy overrides it; ``call``: kvpolicy calls it; ``attribute``: an instance
     attribute upstream sets (``self.x = ...`` in the class) that kvpolicy reads or writes;
-    ``constant``: a module-level value kvpolicy reads."""
+    ``field``: a dataclass field of the class that kvpolicy reads; ``constant``: a module-level value
+    kvpolicy reads."""
     parameters: str | None
-    """The parameters as ``inspect.signature`` renders them without annotations (None for attributes
-    and constants): an override must accept what upstream passes, a call must pass what it takes."""
+    """The parameters as ``inspect.signature`` renders them without annotations (None for attributes,
+    fields and constants): an override must accept what upstream passes, a call must pass what it takes."""
     used_by: str
     """Where and why kvpolicy touches it."""
 
@@ -188,6 +194,15 @@ SURFACE: tuple[Internal, ...] = (
     Internal(MANAGERS, "SlidingWindowManager._contiguous_blocks_for_hit", "call",
              "(window_size, block_size, use_eagle)",
              "contiguous_blocks_for_hit (lookup): the window a sliding-window group's search needs"),
+    # Per-layer KV heads: the model's architecture config per layer, and vLLM's layer index of a layer name.
+    Internal(MODEL_CONFIG, "ModelConfig.model_arch_config", "attribute", None,
+             "layer_total_num_kv_heads (layout): the model's architecture config"),
+    Internal(MODEL_ARCH, "ModelArchitectureConfig.__getitem__", "call", "(self, layer_idx)",
+             "layer_total_num_kv_heads (layout): one layer's architecture config (per_layer_overrides applied)"),
+    Internal(MODEL_ARCH, "ModelArchitectureConfig.total_num_kv_heads", "field", None,
+             "layer_total_num_kv_heads (layout): a layer's KV heads over all TP ranks"),
+    Internal(MODEL_UTILS, "extract_layer_index", "call", "(layer_name, num_attn_module=1)",
+             "layer_total_num_kv_heads (layout): the layer index of a layer name, as vLLM's models compute it"),
 )
 """Every private or internal name of vLLM's that kvpolicy relies on (public methods it overrides too)."""
 
@@ -258,6 +273,14 @@ def _sets_attribute(cls: type, attribute: str) -> bool:
 
 def _entry_drift(entry: Internal) -> str | None:
     where = f"{entry.module}.{entry.name}"
+    if entry.kind == "field":
+        owner, _, field = entry.name.rpartition(".")
+        try:
+            cls = resolve(entry.module, owner)
+        except (ImportError, AttributeError):
+            return f"{where}: {owner} is gone"
+        fields = {item.name for item in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        return None if field in fields else f"{where}: {owner} no longer has the field {field}"
     if entry.kind == "attribute":
         owner, _, attribute = entry.name.rpartition(".")
         try:
@@ -591,6 +614,32 @@ def lookup_key_prefixes(worker: Any) -> Any:
 def set_lookup_key_prefixes(worker: Any, prefixes: Any) -> None:
     """What the ``_init_lookup_key_prefixes`` override point sets: per group, the lookup namespaces."""
     worker._lookup_key_prefixes = prefixes
+
+
+def layer_total_num_kv_heads(model_config: Any, layer_names: Iterable[str]) -> Mapping[str, int]:
+    """Each of ``layer_names`` whose own KV heads (over all TP ranks) vLLM keeps per layer and which
+    differ from the model-wide count, with that count: ``model_config.model_arch_config[index]
+    .total_num_kv_heads``, the index read off the name with vLLM's ``extract_layer_index``.
+
+    Empty for a model without per-layer values (vLLM then returns the model-wide config for every
+    index) and without a model config (a simulated instance). A name vLLM cannot index (no number, or
+    several) or an index past the model's layers keeps the model-wide count, as vLLM's store does for
+    every layer."""
+    arch_config = None if model_config is None else getattr(model_config, "model_arch_config", None)
+    if arch_config is None:
+        return {}
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    model_wide = arch_config.total_num_kv_heads
+    own: dict[str, int] = {}
+    for name in layer_names:
+        try:
+            heads = arch_config[extract_layer_index(name)].total_num_kv_heads
+        except (AssertionError, IndexError, ValueError):
+            continue  # extract_layer_index asserts one integer; past the last layer there is no override
+        if heads != model_wide:
+            own[name] = heads
+    return own
 
 
 def present_block(pool: Any) -> Any:

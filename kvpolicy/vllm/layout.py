@@ -1,22 +1,33 @@
 """Build kvpolicy's layout document from vLLM's own KV-cache objects.
 
 Nothing here knows a spec class by name: class, bases and fields are read generically, so specs
-from plugins come through like built-in ones.
+from plugins come through like built-in ones. The one base class read is vLLM's ``AttentionSpec``:
+only its layers have KV heads, so only they can have a KV-head count of their own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterator, Mapping
 from enum import Enum
 from fractions import Fraction
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from pydantic import ValidationError
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, UniformTypeKVCacheSpecs
+from vllm.config import ModelConfig
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    UniformTypeKVCacheSpecs,
+)
 
-from kvpolicy.models import Group, LayerSpecs, Layout, Spec
+from kvpolicy.models import Group, LayerHeads, LayerSpecs, Layout, Spec
+from kvpolicy.vllm import internals
 
 _OMITTED_FIELDS = ("block_size",)  # a top-level key of every Spec document
 _UNIFORM_GROUP_NAME = "uniform"
@@ -75,8 +86,38 @@ def _uniform_entries(spec: UniformTypeKVCacheSpecs) -> tuple[LayerSpecs, ...]:
     return tuple(LayerSpecs(spec=document, layers=tuple(layers)) for document, layers in merged.items())
 
 
+def _attention_layers(groups: list[KVCacheGroupSpec]) -> Iterator[str]:
+    """The layers of ``groups`` whose spec is an attention spec (the layers with KV heads), in group order."""
+    for group in groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            yield from (name for name, member in spec.kv_cache_specs.items() if isinstance(member, AttentionSpec))
+        elif isinstance(spec, AttentionSpec):
+            yield from group.layer_names
+
+
+def _layer_kv_heads(
+    layers: tuple[str, ...], own_heads: Mapping[str, int], total_num_kv_heads: int
+) -> tuple[LayerHeads, ...]:
+    """The ``layer_kv_heads`` entries of ``layers``: those whose count in ``own_heads`` differs from
+    ``total_num_kv_heads``, one entry per count in order of first appearance, each entry's layers in
+    the order of ``layers``."""
+    by_count: dict[int, list[str]] = {}
+    for layer in layers:
+        heads = own_heads.get(layer, total_num_kv_heads)
+        if heads != total_num_kv_heads:
+            by_count.setdefault(heads, []).append(layer)
+    return tuple(LayerHeads(total_num_kv_heads=heads, layers=tuple(names)) for heads, names in by_count.items())
+
+
 def layout_from_kv_cache_config(
-    kv_cache_config: KVCacheConfig, *, model: str, total_num_kv_heads: int, kv_cache_layout: str | None = None
+    kv_cache_config: KVCacheConfig,
+    *,
+    model: str,
+    total_num_kv_heads: int,
+    kv_cache_layout: str | None = None,
+    model_config: ModelConfig | None = None,
+    kv_heads_by_layer: Mapping[str, int] = MappingProxyType({}),
 ) -> Layout:
     """Build the ``Layout`` of a model from vLLM's ``KVCacheConfig`` (and the ``KVCacheLayout`` name
     the engine resolved, when known).
@@ -84,6 +125,13 @@ def layout_from_kv_cache_config(
     Only the groups vLLM's Mooncake store transfers are kept, in its order, so that a group's index
     in the layout is its ``@group:`` number in store keys: ``kv_cache_config.prefix_cacheable_groups``,
     the selection ``MooncakeStoreCoordinator.from_kv_cache_config`` uses.
+
+    Attention layers with KV heads of their own (over all TP ranks) that differ from
+    ``total_num_kv_heads`` are listed in the layout's ``layer_kv_heads``: the counts vLLM keeps per
+    layer in ``model_config`` (``model_config.model_arch_config[layer_index].total_num_kv_heads``:
+    Gemma-4's full-attention layers, Nemotron-NAS blocks), and those ``kv_heads_by_layer`` states
+    (layer name → its KV heads; it wins over ``model_config``: a simulated model has no model config).
+    Without either, or for a model whose layers agree, there are none.
     """
     selected = kv_cache_config.prefix_cacheable_groups
     if not selected:
@@ -101,9 +149,12 @@ def layout_from_kv_cache_config(
         else Group(name=name, spec=spec_document(group.kv_cache_spec), layers=tuple(group.layer_names))
         for name, group in zip(names, selected, strict=True)
     )
+    attention_layers = tuple(_attention_layers(selected))
+    own_heads = {**internals.layer_total_num_kv_heads(model_config, attention_layers), **kv_heads_by_layer}
     try:
         return Layout(
             version=1, kind="ModelLayout", model=model, total_num_kv_heads=total_num_kv_heads,
+            layer_kv_heads=_layer_kv_heads(attention_layers, own_heads, total_num_kv_heads),
             kv_cache_layout=kv_cache_layout, groups=groups,
         )
     except ValidationError as error:

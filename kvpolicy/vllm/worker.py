@@ -159,6 +159,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._policy = policy
         self._layout_out = settings.kvpolicy_layout_out if is_first_rank else None
         self._model = model
+        self._model_config = vllm_config.model_config  # per-layer KV heads for the layout (None in a simulation)
         self._cache_prefix = str(extra_config.get("cache_prefix", ""))  # vLLM's key, read as upstream reads it
         self._read_failures = ReadFailures(settings.kvpolicy_read_failure_ttl_s)
         self._gather = gather
@@ -230,6 +231,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             # Upstream sets num_kv_head to model_config.get_total_num_kv_heads().
             total_num_kv_heads=self.num_kv_head,
             kv_cache_layout=self.cache_config.get_resolved_kv_cache_layout().name,
+            model_config=self._model_config,
         )
         self._layout = layout
         topology = Topology(
