@@ -8,8 +8,8 @@ pass writes, the TP collective between ranks, and a check of what was loaded.
 
 One concept per module:
 
-* :mod:`~kvpolicy.sim.archetypes` — model shapes as vLLM spec objects, and :func:`physical_factor`,
-  the ground truth of which ranks hold identical bytes;
+* :mod:`~kvpolicy.sim.archetypes` — model shapes as vLLM spec objects (layers may have KV heads of
+  their own), and :func:`physical_factor`, the ground truth of which ranks hold identical bytes;
 * :mod:`~kvpolicy.sim.model` — an archetype at one TP size as vLLM's ``KVCacheConfig``;
 * :mod:`~kvpolicy.sim.scheduler` — block hashes, block tables, Mamba boundary states, save/load metadata;
 * :mod:`~kvpolicy.sim.content` — the bytes each rank holds for a chunk;
@@ -26,6 +26,7 @@ from kvpolicy.sim.archetypes import (
     ARCHETYPES,
     BLOCK_SIZE,
     HYBRIDS,
+    LAYER_HEADS_ARCHETYPES,
     Archetype,
     archetype_from_layout,
     get_archetype,
@@ -44,6 +45,7 @@ __all__ = [
     "ARCHETYPES",
     "BLOCK_SIZE",
     "HYBRIDS",
+    "LAYER_HEADS_ARCHETYPES",
     "Archetype",
     "CollectiveTimeout",
     "ConsistencyReport",

@@ -5,6 +5,10 @@ An :class:`Archetype` is a model's KV-cache layers as vLLM's own spec objects (`
 policy against: how many consecutive TP ranks hold byte-identical bytes for a layer, stated from
 what the model computes and never from a policy. It is the one place that knowledge lives outside
 the YAML policies; the offline audit, the benchmarks and the tests read it from here.
+
+The truth is per layer: an attention layer's heads repeat over ``tp // heads`` ranks with *its own*
+KV heads (:attr:`Archetype.layer_kv_heads`: Gemma-4's full-attention layers, each Nemotron-NAS
+block), whatever model-wide count vLLM reports.
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ from vllm.v1.kv_cache_interface import (
 from kvpolicy.models import Layout, Spec, SpecValues
 
 __all__ = [
-    "HYBRIDS",
     "ARCHETYPES",
     "BLOCK_SIZE",
+    "HYBRIDS",
+    "LAYER_HEADS_ARCHETYPES",
     "Archetype",
     "archetype_from_layout",
     "get_archetype",
@@ -53,7 +58,8 @@ SpecBuilder = Callable[[int], KVCacheSpec]
 
 def physical_factor(classes: Collection[str], fields: Mapping[str, Any], total_num_kv_heads: int, tp_size: int) -> int:
     """Consecutive TP ranks holding byte-identical bytes for a layer whose spec has these class
-    names (the class and its bases) and fields, in a model with ``total_num_kv_heads``.
+    names (the class and its bases) and fields, the layer having ``total_num_kv_heads`` KV heads
+    over all ranks (its own count, where it differs from the model-wide one).
 
     An MLA latent has no head dimension, so it is whole on every rank; Mamba and linear-attention
     state is split by heads, distinct on every rank, unless vLLM marks it ``tp_replicated``; GQA
@@ -85,19 +91,35 @@ class Archetype:
     """(layer name, kind) in model order."""
     kinds: Mapping[str, SpecBuilder]
     """kind → how a rank's spec for such a layer is built."""
+    layer_kv_heads: Mapping[str, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    """Attention layers whose own KV heads (over all TP ranks) differ from the model-wide count, with
+    that count: vLLM's ``model_config.model_arch_config[layer_index].total_num_kv_heads``. Their kinds
+    build specs of that many heads; the ground truth repeats their heads over ``tp // heads`` ranks."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.layer_kv_heads) - {layer for layer, _ in self.layers})
+        if unknown:
+            raise ValueError(f"archetype {self.name!r}: layer_kv_heads names layers it does not have: {unknown}")
 
     def kv_heads(self, tp_size: int) -> int:
+        """The model-wide KV heads at ``tp_size``."""
         heads = self.total_num_kv_heads
         return heads(tp_size) if callable(heads) else heads
+
+    def layer_heads(self, layer: str, tp_size: int) -> int:
+        """The KV heads of ``layer``: its own count, else the model-wide one."""
+        return self.layer_kv_heads.get(layer, self.kv_heads(tp_size))
 
     def specs(self, tp_size: int) -> dict[str, KVCacheSpec]:
         """Layer name → one TP rank's spec, in model order."""
         return {layer: self.kinds[kind](tp_size) for layer, kind in self.layers}
 
     def true_factors(self, tp_size: int) -> dict[str, int]:
-        """Layer name → :func:`physical_factor` at ``tp_size``."""
-        heads = self.kv_heads(tp_size)
-        return {layer: spec_physical_factor(spec, heads, tp_size) for layer, spec in self.specs(tp_size).items()}
+        """Layer name → :func:`physical_factor` at ``tp_size``, with the layer's own KV heads."""
+        return {
+            layer: spec_physical_factor(spec, self.layer_heads(layer, tp_size), tp_size)
+            for layer, spec in self.specs(tp_size).items()
+        }
 
     @property
     def distinct_kinds(self) -> int:
@@ -252,14 +274,52 @@ HYBRIDS: tuple[str, ...] = ("kimi-linear", "gqa-gdn", "gqa-mamba")
 """Archetypes with TP-sharded recurrent state beside replicated attention: MLA+KDA, GQA+GDN, GQA+Mamba2."""
 
 
+def _own_heads_archetype(
+    name: str, description: str, model_wide: int, layers: tuple[tuple[int, int, int | None], ...]
+) -> Archetype:
+    """GQA layers ``(index, KV heads, sliding window or None)`` of their own head counts, vLLM
+    reporting ``model_wide``: each layer's kind builds a spec of its own heads, and
+    :attr:`Archetype.layer_kv_heads` states the counts that differ from ``model_wide``."""
+    kinds: dict[str, SpecBuilder] = {}
+    named: list[tuple[str, str]] = []
+    for index, heads, window in layers:
+        kind = f"{'swa' if window else 'full'}-{heads}kv"
+        kinds.setdefault(kind, _gqa(lambda tp_size, heads=heads: heads, sliding_window=window))
+        named.append((_attn(index), kind))
+    own = {_attn(index): heads for index, heads, _ in layers if heads != model_wide}
+    return Archetype(name, description, model_wide, tuple(named), MappingProxyType(kinds), MappingProxyType(own))
+
+
+LAYER_HEADS_ARCHETYPES: Mapping[str, Archetype] = _registry(
+    _own_heads_archetype(
+        "nas-like",
+        "Nemotron-NAS-like GQA, each block of its own KV heads (2, 8, 4, 8): vLLM reports the first block's 2 "
+        "for the model; at TP 8 every block has one head per rank, so all four share one KV-cache group",
+        2,
+        ((0, 2, None), (1, 8, None), (2, 4, None), (3, 8, None)),
+    ),
+    _own_heads_archetype(
+        "gemma4-like",
+        "Gemma-4-like: sliding-window (32 tokens) layers of 1 KV head and full-attention layers of 2, vLLM "
+        "reporting the larger, 2, for the model",
+        2,
+        ((0, 1, 32), (1, 2, None), (2, 1, 32), (3, 2, None)),
+    ),
+)
+"""Built-in archetypes whose layers have KV-head counts of their own (vLLM 0.32's per-layer
+``model_arch_config``), by name. Apart from :data:`ARCHETYPES`: under ``vllm-compat``, which reads the
+model-wide count for every layer as vLLM's store does, ``nas-like`` loads other ranks' heads."""
+
+
 def get_archetype(archetype: str | Archetype) -> Archetype:
     """The built-in archetype of that name (or ``archetype`` itself); a clear error for an unknown name."""
     if isinstance(archetype, Archetype):
         return archetype
-    try:
-        return ARCHETYPES[archetype]
-    except KeyError:
-        raise ValueError(f"unknown archetype {archetype!r}; known: {', '.join(ARCHETYPES)}") from None
+    found = ARCHETYPES.get(archetype) or LAYER_HEADS_ARCHETYPES.get(archetype)
+    if found is None:
+        known = ", ".join((*ARCHETYPES, *LAYER_HEADS_ARCHETYPES))
+        raise ValueError(f"unknown archetype {archetype!r}; known: {known}")
+    return found
 
 
 # --- archetypes from layout documents ------------------------------------------------------------
@@ -330,12 +390,19 @@ def _rank_spec(
     total_num_kv_heads: int,
     num_kv_heads: int | None,
     tp_size: int,
+    *,
+    model_total_num_kv_heads: int | None = None,
 ) -> KVCacheSpec:
-    """:func:`_scaled_spec` of ``spec`` evaluated at ``tp_size``, with ``num_kv_heads`` heads or (None)
-    those one of ``tp_size`` ranks holds (vLLM's QKVParallelLinear); ``head_size`` None: the real
-    page (:func:`_real_page_spec`)."""
+    """:func:`_scaled_spec` of ``spec`` evaluated at ``tp_size`` for layers of ``total_num_kv_heads``
+    KV heads (in a model of ``model_total_num_kv_heads``, None: the same), with ``num_kv_heads`` heads
+    or (None) those one of ``tp_size`` ranks holds (vLLM's QKVParallelLinear); ``head_size`` None: the
+    real page (:func:`_real_page_spec`)."""
+    model_wide = total_num_kv_heads if model_total_num_kv_heads is None else model_total_num_kv_heads
     values = spec.evaluate(
-        {"tp_size": tp_size, "pp_size": 1, "pcp_size": 1, "dcp_size": 1, "total_num_kv_heads": total_num_kv_heads}
+        {
+            "tp_size": tp_size, "pp_size": 1, "pcp_size": 1, "dcp_size": 1,
+            "total_num_kv_heads": total_num_kv_heads, "model_total_num_kv_heads": model_wide,
+        }
     )
     heads = max(1, total_num_kv_heads // tp_size) if num_kv_heads is None else num_kv_heads
     if head_size is None:
@@ -361,11 +428,12 @@ def archetype_from_layout(
     Each layer gets the layout's spec class, looked up by name in ``vllm.v1.kv_cache_interface``,
     built from the layout's fields: block size :data:`BLOCK_SIZE`, attention ``num_kv_heads`` and
     ``head_size`` (and a non-zero ``head_size_v``) as given here (``num_kv_heads=None``: the model's
-    own per-rank count, ``max(1, total_num_kv_heads // tp_size)``), Mamba state dimensions cut to 4, no
-    page padding (vLLM's grouping pads pages to one size, as for the real model). Layers go in model
-    order, so vLLM's ``get_kv_cache_groups`` regroups them itself; ``layers_per_group`` keeps only
-    the first layers of each group (of each entry of a uniform group). The ground truth stays the
-    full model's: :func:`physical_factor` with the layout's ``total_num_kv_heads``.
+    own per-rank count, ``max(1, total_num_kv_heads // tp_size)`` with the layer's own heads), Mamba
+    state dimensions cut to 4, no page padding (vLLM's grouping pads pages to one size, as for the
+    real model). Layers go in model order, so vLLM's ``get_kv_cache_groups`` regroups them itself;
+    ``layers_per_group`` keeps only the first layers of each group (of each entry of a uniform group,
+    and of each KV-head count among its layers). The ground truth stays the full model's:
+    :func:`physical_factor` with each layer's heads (``layer_kv_heads``, else ``total_num_kv_heads``).
 
     vLLM pads a smaller page only for Mamba and non-MLA attention, so next to Mamba state an MLA page
     must stay the larger: ``head_size`` >= 16 does.
@@ -376,19 +444,29 @@ def archetype_from_layout(
     """
     kinds: dict[str, SpecBuilder] = {}
     layers: list[tuple[str, str]] = []
+    model_wide = layout.total_num_kv_heads
     for index, group in enumerate(layout.groups):
         group_name = group.name or f"group-{index}"
         for member_index, member in enumerate(group.members):
-            kind = group_name if len(group.members) == 1 else f"{group_name}#{member_index}"
-            kinds[kind] = functools.partial(_rank_spec, member.spec, head_size, layout.total_num_kv_heads, num_kv_heads)
-            kept = member.layers if layers_per_group is None else member.layers[:layers_per_group]
-            layers.extend((layer, kind) for layer in kept)
+            member_kind = group_name if len(group.members) == 1 else f"{group_name}#{member_index}"
+            by_heads: dict[int, list[str]] = {}
+            for layer in member.layers:
+                by_heads.setdefault(layout.layer_total_num_kv_heads(layer), []).append(layer)
+            for heads, heads_layers in by_heads.items():
+                kind = member_kind if heads == model_wide else f"{member_kind}@{heads}kv"
+                kinds[kind] = functools.partial(
+                    _rank_spec, member.spec, head_size, heads, num_kv_heads, model_total_num_kv_heads=model_wide
+                )
+                kept = heads_layers if layers_per_group is None else heads_layers[:layers_per_group]
+                layers.extend((layer, kind) for layer in kept)
+    kept_layers = {layer for layer, _ in layers}
     return Archetype(
         name or f"layout-{layout.model.rstrip('/').split('/')[-1].lower()}",
         layout.description or layout.model,
-        layout.total_num_kv_heads,
+        model_wide,
         tuple(sorted(layers, key=lambda entry: _layer_order(entry[0]))),
         MappingProxyType(kinds),
+        MappingProxyType({layer: heads for layer, heads in layout.kv_heads_by_layer.items() if layer in kept_layers}),
     )
 
 

@@ -2,7 +2,10 @@
 
 Bytes depend only on the *content* they represent. A layer with physical factor ``T``
 (:func:`~kvpolicy.sim.archetypes.physical_factor`) at ``tp`` splits into ``N = tp // T`` distinct
-shards and rank ``r`` holds shard ``s = r // T``.
+shards and rank ``r`` holds shard ``s = r // T``. ``T`` comes from the layer's own KV heads ``H``
+(:attr:`~kvpolicy.sim.archetypes.Archetype.layer_kv_heads`, else the model-wide count), so where
+``H < tp`` rank ``r`` holds head ``r * H // tp``, as vLLM's ``QKVParallelLinear`` places them, in a
+model whose other layers may have other counts.
 
 * An attention layer's block is its KV heads (dimension 1 of vLLM's logical ``(blocks, heads,
   tokens, content)`` tensor): shard ``s`` holds heads ``s * h .. s * h + h - 1`` of the model, ``h``

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
 
 from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, VllmConfig
+from vllm.config.model_arch import ModelArchitectureConfig
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
 from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_cache_spec, resolve_kv_cache_block_sizes
 
@@ -22,7 +24,7 @@ from kvpolicy.models import Layout
 from kvpolicy.sim.archetypes import BLOCK_SIZE, Archetype, get_archetype, group_true_factor
 from kvpolicy.vllm.layout import layout_from_kv_cache_config
 
-__all__ = ["SimulatedModel", "build_model"]
+__all__ = ["ArchitectureOnly", "SimulatedModel", "architecture_config", "build_model"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class SimulatedModel:
 
     @property
     def total_num_kv_heads(self) -> int:
+        """The model-wide KV heads (vLLM's ``get_total_num_kv_heads()``)."""
         return self.archetype.kv_heads(self.tp_size)
 
     @property
@@ -67,10 +70,54 @@ class SimulatedModel:
 
     @property
     def layout(self) -> Layout:
-        """The kvpolicy layout of this model's ``KVCacheConfig``, as the connector derives it."""
+        """The kvpolicy layout of this model's ``KVCacheConfig``, as the connector derives it (each
+        layer's own KV heads read off the model config, as on an engine)."""
         return layout_from_kv_cache_config(
-            self.kv_cache_config, model=self.name, total_num_kv_heads=self.total_num_kv_heads
+            self.kv_cache_config, model=self.name, total_num_kv_heads=self.total_num_kv_heads,
+            model_config=self.vllm_config.model_config,
         )
+
+
+_ARCH_VALUES: Mapping[str, object] = MappingProxyType({
+    "architectures": ["SimulatedForCausalLM"], "model_type": "kvpolicy-sim", "text_model_type": None,
+    "hidden_size": 0, "total_num_attention_heads": 0, "head_size": 0, "vocab_size": 0, "num_experts": 0,
+    "num_experts_per_token": 0, "quantization_config": None, "is_deepseek_mla": False, "is_mm_prefix_lm": False,
+    "rswa_window": None, "derived_max_model_len_and_key": (float("inf"), None),
+})
+"""A simulated model's architecture fields besides its layers and KV heads, which no one reads."""
+
+
+@dataclass(frozen=True)
+class ArchitectureOnly:
+    """The part of vLLM's ``ModelConfig`` a simulated instance has: the model's architecture config,
+    where an engine's connector reads each layer's own KV heads (``model_arch_config[layer_index]``).
+    A simulation has no checkpoint to build a whole ``ModelConfig`` from."""
+
+    model_arch_config: ModelArchitectureConfig
+    """vLLM's own class: the model-wide values, and each layer's own in ``per_layer_overrides``."""
+
+
+def architecture_config(archetype: Archetype, tp_size: int) -> ModelArchitectureConfig:
+    """``archetype`` at ``tp_size`` as vLLM's ``ModelArchitectureConfig``: its layers (indexed as vLLM's
+    ``extract_layer_index`` reads their names), its model-wide KV heads, and each layer's own count
+    (:attr:`Archetype.layer_kv_heads`) in ``per_layer_overrides``."""
+    model_wide = archetype.kv_heads(tp_size)
+    try:
+        indices = {layer: extract_layer_index(layer) for layer, _ in archetype.layers}
+    except AssertionError:
+        raise ValueError(f"archetype {archetype.name!r}: a layer name has no single layer index") from None
+    overrides: list[dict[str, object]] = [{} for _ in range(max(indices.values()) + 1)]
+    for layer, heads in archetype.layer_kv_heads.items():
+        if heads != model_wide:
+            overrides[indices[layer]]["total_num_kv_heads"] = heads
+    fields = [field.name for field in dataclasses.fields(ModelArchitectureConfig) if field.init]
+    values = {name: _ARCH_VALUES[name] for name in fields if name in _ARCH_VALUES}
+    return ModelArchitectureConfig(
+        **values,
+        total_num_hidden_layers=len(overrides),
+        total_num_kv_heads=model_wide,
+        per_layer_overrides=overrides if any(overrides) else None,
+    )
 
 
 def build_model(
@@ -127,6 +174,11 @@ def build_model(
             kv_cache_config = resized
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    if shape.layer_kv_heads:
+        # Where an engine's connector finds each layer's own KV heads. Set once the KV cache is planned
+        # (vLLM's planning ran without a model config, as for every archetype) and after validation,
+        # which would want a whole ModelConfig.
+        vllm_config.model_config = ArchitectureOnly(architecture_config(shape, tp_size))  # type: ignore[assignment]
     return SimulatedModel(
         archetype=shape,
         name=model_name,
