@@ -174,18 +174,23 @@ class MooncakeMaster:
         return self._answers()
 
     def _answers(self) -> bool:
+        """Whether both endpoints are up: the master opens its RPC port and its metrics endpoint
+        separately, and under load one can lag the other by seconds."""
+
         def fetch() -> None:
             with urllib.request.urlopen(self.metrics_url, timeout=1.0) as response:
                 response.read()
+            with socket.create_connection((self.host.address, self.rpc_port), timeout=1.0):
+                pass
 
         try:
             self.host.call(fetch)
             return True
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
+        except (urllib.error.URLError, OSError):
             return False
 
     def start(self, *, ports: tuple[int, int] | None = None) -> Self:
-        """Launch the master and wait until its metrics endpoint answers. ``ports`` (rpc, metrics)
+        """Launch the master and wait until its metrics endpoint answers and its RPC port listens. ``ports`` (rpc, metrics)
         fixes the ports, e.g. to start a master again where its clients expect it; default: free ones."""
         if self._process is not None:
             raise RuntimeError("the master is already running")
