@@ -8,8 +8,8 @@ import textwrap
 from typing import Any
 
 import pytest
-
 from core_support import full, policy, spec
+
 from kvpolicy.engine import make_plan
 from kvpolicy.loader import check_text, load_policy, policies_dir
 from kvpolicy.models import Layout, Topology

@@ -28,7 +28,6 @@ import os
 import re
 import signal
 import string
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from kvpolicy.app.cli import main as cli_main
 from kvpolicy.diagnostics import MAX_MESSAGE_CHARS, Diagnostic
 from kvpolicy.expressions import MAX_DEPTH, MAX_INT, MAX_SOURCE_LENGTH, Expression, ExpressionError
 from kvpolicy.keys import KEY_TEMPLATE_FIELDS, KeyContext, parse_prefix, render_prefix
-from kvpolicy.loader import MAX_DIAGNOSTICS_PER_FILE, check_file, check_text
+from kvpolicy.loader import MAX_DIAGNOSTICS_PER_FILE, check_text
 from kvpolicy.models import KeyFormat
 
 REPO = Path(__file__).resolve().parents[2]
