@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from kvpolicy.app.cli import main
-from kvpolicy.loader import policies_dir
+from kvpolicy.loader import layouts_dir, policies_dir
 
 DEFAULT_TEXT = (policies_dir() / "default.yaml").read_text(encoding="utf-8")
+EVERY_PLAN = len(list(layouts_dir().glob("*.yaml"))) * len((1, 2, 4, 8))
+"""Plans ``kvpolicy diff`` compares by default: every example layout at tp 1, 2, 4 and 8."""
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -26,13 +28,13 @@ def write(tmp_path: Path, name: str, text: str) -> str:
 
 def test_a_policy_against_itself_changes_nothing_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     code, out = run(capsys, "diff", "default", "default")
-    assert code == 0 and out.splitlines()[-1] == "24 of 24 plans unchanged"
+    assert code == 0 and out.splitlines()[-1] == f"{EVERY_PLAN} of {EVERY_PLAN} plans unchanged"
 
 
 def test_renamed_rules_with_the_same_outcome_change_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     renamed = DEFAULT_TEXT.replace("name: default", "name: site").replace("- name: kv-heads", "- name: heads")
     code, out = run(capsys, "diff", "default", write(tmp_path, "site", renamed))
-    assert code == 0 and out.splitlines()[-1] == "24 of 24 plans unchanged"
+    assert code == 0 and out.splitlines()[-1] == f"{EVERY_PLAN} of {EVERY_PLAN} plans unchanged"
 
 
 def test_a_factor_change_names_the_group_its_bytes_and_the_cold_cache(capsys: pytest.CaptureFixture[str]) -> None:
