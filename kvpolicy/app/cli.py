@@ -322,13 +322,14 @@ def _run_audit(args: argparse.Namespace) -> int:
         target = f"layout {Path(args.layout).stem}"
         archetype = archetype_from_layout(layout, layers_per_group=2, name=f"audit-{Path(args.layout).stem}")
     else:
-        from kvpolicy.sim import ARCHETYPES
+        from kvpolicy.sim import get_archetype
 
-        if args.archetype not in ARCHETYPES:
-            print(f"kvpolicy audit: error: unknown archetype {args.archetype!r}; known: {', '.join(ARCHETYPES)}",
-                  file=sys.stderr)
+        try:
+            archetype = get_archetype(args.archetype)
+        except ValueError as error:
+            print(f"kvpolicy audit: error: {error}", file=sys.stderr)
             return 2
-        archetype, target = args.archetype, f"archetype {args.archetype}"
+        target = f"archetype {args.archetype}"
     native_log = Path(tempfile.gettempdir()) / f"kvpolicy-audit-{os.getpid()}.log"
     try:
         with native_stderr_to(native_log), MooncakeMaster() as master, ClientPool(master) as clients:
@@ -491,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     audit.add_argument("--policy", required=True, help="a shipped policy's name or a path")
     target = audit.add_mutually_exclusive_group(required=True)
-    target.add_argument("--archetype", help="a simulated archetype (kimi-linear, gqa-gdn, gqa-mamba, mla, ...)")
+    target.add_argument("--archetype", help="a simulated archetype (kimi-linear, gqa-gdn, gqa-mamba, mla, nas-like, gemma4-like, ...)")
     target.add_argument("--layout", help="an example layout's name or a path")
     add_topology_flag(audit, "tp_size", required=True)
     audit.add_argument("--tokens", type=int, default=256, help="prompt length")

@@ -480,6 +480,28 @@ def test_the_audit_command_passes_a_correct_policy_on_a_layout(capsys: pytest.Ca
     assert [group["audit"] for group in payload["groups"]] == ["agreed"]
 
 
+def test_the_audit_command_demotes_vllm_compat_on_a_model_whose_first_block_has_fewest_heads(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # nas-like: blocks of 2, 8, 4 and 8 KV heads, 2 model-wide; at TP 4 vLLM's rule repeats every
+    # layer over 2 ranks, though only the first block's heads repeat.
+    from kvpolicy.app.cli import main
+
+    code = main(["audit", "--policy", "vllm-compat", "--archetype", "nas-like", "--tp", "4"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "DEMOTED: factor 2 -> 1" in out
+
+
+def test_the_audit_command_names_every_archetype_when_one_is_unknown(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpolicy.app.cli import main
+
+    code = main(["audit", "--policy", "default", "--archetype", "nas-lik", "--tp", "2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "unknown archetype 'nas-lik'" in err and "nas-like" in err and "gemma4-like" in err and "mla" in err
+
+
 # --- replicas equal up to rounding (vLLM's CPU all-reduce at TP=4), on real worker objects ------
 
 
