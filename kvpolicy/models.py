@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import itertools
 import math
 import re
 import typing
@@ -842,6 +843,25 @@ class Group(StrictModel):
         return self.uniform is not None
 
 
+class _CloseNames:
+    """Did-you-mean hints for unknown layer names, bounded: a few hints, each against at most
+    ``MAX_CANDIDATES`` names, so a layout naming thousands of unknown layers is judged in milliseconds."""
+
+    MAX_HINTS = 5
+    MAX_CANDIDATES = 2_000
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self._candidates = list(itertools.islice(names, self.MAX_CANDIDATES))
+        self._left = self.MAX_HINTS
+
+    def closest(self, name: str) -> str | None:
+        if self._left == 0:
+            return None
+        self._left -= 1
+        close = difflib.get_close_matches(name, self._candidates, n=1)
+        return close[0] if close else None
+
+
 class LayerHeads(StrictModel):
     """Layers whose own KV heads differ from the model-wide ``total_num_kv_heads``."""
 
@@ -898,6 +918,7 @@ class Layout(StrictModel):
     @model_validator(mode="after")
     def _each_layer_in_one_group(self) -> Layout:
         first_seen: dict[str, int] = {}
+        spec_of: dict[str, Spec] = {}
         errors: list[InitErrorDetails] = []
         for group_index, group in enumerate(self.groups):
             for member_index, member in enumerate(group.members):
@@ -915,12 +936,14 @@ class Layout(StrictModel):
                             )
                         )
                     first_seen.setdefault(layer, group_index)
+                    spec_of.setdefault(layer, member.spec)
+        hints = _CloseNames(first_seen)
         for entry_index, entry in enumerate(self.layer_kv_heads):
             for layer in entry.layers:
                 if len(errors) >= 100:
                     break
                 location = ("layer_kv_heads", entry_index, "layers")
-                message = self._layer_heads_problem(layer, first_seen, entry_index)
+                message = self._layer_heads_problem(layer, spec_of, entry_index, hints)
                 if message is not None:
                     errors.append(
                         InitErrorDetails(
@@ -933,17 +956,18 @@ class Layout(StrictModel):
             raise ValidationError.from_exception_data(type(self).__name__, errors)
         return self
 
-    def _layer_heads_problem(self, layer: str, group_of: Mapping[str, int], entry_index: int) -> str | None:
+    def _layer_heads_problem(
+        self, layer: str, spec_of: Mapping[str, Spec], entry_index: int, hints: _CloseNames
+    ) -> str | None:
         """Why ``layer`` cannot have its own KV heads, or None."""
-        group_index = group_of.get(layer)
-        if group_index is None:
-            close = difflib.get_close_matches(layer, list(group_of)[:10_000], n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else "; name a layer of one of the groups"
+        spec = spec_of.get(layer)
+        if spec is None:
+            close = hints.closest(layer)
+            hint = f"; did you mean '{close}'?" if close else "; name a layer of one of the groups"
             return f"layer '{layer}' is in no group{hint}"
         first = self._layer_heads_entry.get(layer)
         if first != entry_index:
             return f"layer '{layer}' already has its KV heads in layer_kv_heads entry {first}; a layer has one count"
-        spec = next(member.spec for member in self.groups[group_index].members if layer in member.layers)
         if not ("AttentionSpec" in spec.classes or is_subclass(spec.type, "AttentionSpec")):
             return f"layer '{layer}' holds {spec.type}, which has no KV heads; remove it from layer_kv_heads"
         return None

@@ -229,3 +229,13 @@ def test_every_problem_of_the_entries_is_reported_at_once() -> None:
           layers: [attn.9, mamba.0]
     """)
     assert len(errors) == 2
+
+
+def test_only_the_first_few_unknown_layers_get_a_did_you_mean() -> None:
+    # A hint compares a name with the layout's names; thousands of unknown layers must not each pay that.
+    errors = layout_errors("""
+        - total_num_kv_heads: 1
+          layers: "attn.{2..11}"
+    """)
+    hinted = [error for error in errors if "did you mean" in error]
+    assert len(errors) == 10 and len(hinted) == 5
