@@ -60,6 +60,24 @@ CHECKS_BY_CODE: dict[str, Check] = {check.code: check for check in CHECKS}
 CHECKS_BY_NAME: dict[str, Check] = {check.name: check for check in CHECKS}
 
 
+def _printable(character: str) -> str:
+    """``character``, or its escape where it is not printable (a control character, a line or
+    record separator, a lone surrogate that a file name undecodable as UTF-8 leaves)."""
+    if character.isprintable():
+        return character
+    if "\ud800" <= character <= "\udfff":
+        return f"\\u{ord(character):04x}"  # unicode_escape cannot encode a lone surrogate
+    return character.encode("unicode_escape").decode()
+
+
+def printable_path(path: str) -> str:
+    """``path`` as a diagnostic line shows it: one line, printable on any output encoding (a newline
+    in a file name is ``\\n``, a byte not decodable as UTF-8 ``\\udcXX``), unchanged when it is plain."""
+    if path.isprintable():
+        return path
+    return "".join(_printable(character) for character in path)
+
+
 @dataclass(frozen=True, order=True)
 class Diagnostic:
     """One problem at one place in one file."""
@@ -84,8 +102,7 @@ class Diagnostic:
         # One line whatever the input quoted: a newline becomes a space, any other character that is
         # not printable (a record separator splits lines too) its escape.
         message = "".join(
-            " " if character in "\r\n" else character if character.isprintable() else character.encode("unicode_escape").decode()
-            for character in self.message[:MAX_MESSAGE_CHARS]
+            " " if character in "\r\n" else _printable(character) for character in self.message[:MAX_MESSAGE_CHARS]
         )
         if len(message) > MAX_MESSAGE_CHARS:  # escapes made it longer
             cut += len(message) - MAX_MESSAGE_CHARS
@@ -95,7 +112,7 @@ class Diagnostic:
         object.__setattr__(self, "message", message)
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.line}:{self.column}: {self.severity}: {self.message} [{self.code}]"
+        return f"{printable_path(self.path)}:{self.line}:{self.column}: {self.severity}: {self.message} [{self.code}]"
 
     @property
     def check(self) -> Check:
@@ -127,7 +144,7 @@ class PlanProblem:
     """``path:line:col`` of the expression or rule at fault, when the policy was loaded from a file."""
 
     def __str__(self) -> str:
-        return f"{self.location}: error: {self.message}" if self.location else self.message
+        return f"{printable_path(self.location)}: error: {self.message}" if self.location else self.message
 
 
 class PlanError(ValueError):

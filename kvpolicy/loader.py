@@ -137,6 +137,8 @@ def _read_bounded(path: str | FilePath) -> str:
             data = stream.read(MAX_DOCUMENT_BYTES + 1)
     except OSError as error:
         raise unreadable(f"cannot read file: {error.strerror or error}") from None
+    except ValueError:  # what the OS cannot even be asked: a path holding a NUL character
+        raise unreadable("cannot read file: the path contains a NUL character; give a file name without one") from None
     if len(data) > MAX_DOCUMENT_BYTES:
         raise unreadable(f"file is larger than {MAX_DOCUMENT_BYTES} bytes; a policy or layout is a few KiB")
     try:

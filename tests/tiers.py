@@ -54,6 +54,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "core/test_golden_keys.py": "pure",
     "core/test_hostile_inputs.py": ("pure", "contract"),
     "core/test_hostile_inputs.py::test_audit_without_vllm_is_one_line_naming_what_to_install": "contract",
+    "core/test_hostile_inputs.py::test_the_connector_refuses_a_policy_path_holding_a_nul_with_its_configuration_error": "contract",
     "core/test_key_contract.py": "pure",
     "core/test_key_grammar.py": "pure",
     "core/test_layout_dump.py": "pure",

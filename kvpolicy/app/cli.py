@@ -18,7 +18,7 @@ from kvpolicy import schema
 from kvpolicy.app.diagnostic_formats import FORMATS, FileResult, Selection, parse_codes, render
 from kvpolicy.app.topology_flags import add_topology_flag, add_topology_flags, topology_from_args
 from kvpolicy.contract import KeyContract, key_contract
-from kvpolicy.diagnostics import DocumentError, PlanError
+from kvpolicy.diagnostics import DocumentError, PlanError, printable_path
 from kvpolicy.engine import make_plan, plan_deployment
 from kvpolicy.loader import check_file, load_layout, load_policy, schemas_dir, shipped_policy_names
 from kvpolicy.models import KV_CACHE_LAYOUTS, Layout
@@ -57,13 +57,22 @@ def _validate(args: argparse.Namespace) -> int:
 def _schema(args: argparse.Namespace) -> int:
     directory = Path(args.dir) if args.dir else schemas_dir()
     if args.check:
-        stale = schema.stale_files(directory)
+        try:
+            stale = schema.stale_files(directory)
+        except (OSError, ValueError) as error:  # ValueError: a NUL in the path, a file that is not UTF-8
+            print(f"{printable_path(str(directory))}:1:1: error: cannot read the schemas: {_reason(error, directory)}")
+            return 1
         for path in stale:
-            print(f"{path}:1:1: error: schema is stale; run 'kvpolicy schema --write'")
+            print(f"{printable_path(str(path))}:1:1: error: schema is stale; run 'kvpolicy schema --write'")
         return 1 if stale else 0
     if args.write:
-        for path in schema.write(directory):
-            print(f"wrote {path}", file=sys.stderr)
+        try:
+            written = schema.write(directory)
+        except (OSError, ValueError) as error:  # ValueError: a NUL in the path
+            print(f"error: cannot write the schemas into '{printable_path(str(directory))}': {_reason(error, directory)}")
+            return 1
+        for path in written:
+            print(f"wrote {printable_path(str(path))}", file=sys.stderr)
         return 0
     print(json.dumps({name: schema.json_schema(model) for name, model in schema.SCHEMA_FILES.items()}, indent=2))
     return 0
@@ -519,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except PlanError as error:
         for problem in error.problems:
-            where = f"{problem.location}: " if problem.location else ""
+            where = f"{printable_path(problem.location)}: " if problem.location else ""
             print(f"{where}error: {_one_line(problem.message)} [KVP301]")
         return 1
     except ValueError as error:
@@ -540,6 +549,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {type(error).__name__}: {_one_line(error)} (set KVPOLICY_TRACEBACK=1 for the traceback)")
         return 1
+
+
+def _reason(error: BaseException, directory: Path) -> str:
+    """Why a file-system call on ``directory`` failed, as words (not the exception's class), naming the
+    path at fault where it is another."""
+    if isinstance(error, FileExistsError):
+        return "it is not a directory"
+    if isinstance(error, OSError) and error.strerror:
+        at = error.filename
+        where = f" ('{printable_path(str(at))}')" if at is not None and str(at) != str(directory) else ""
+        return f"{error.strerror[0].lower()}{error.strerror[1:]}{where}"
+    if isinstance(error, ValueError) and "null" in str(error):
+        return "the path contains a NUL character"
+    return _one_line(error)
 
 
 def _one_line(error: BaseException) -> str:

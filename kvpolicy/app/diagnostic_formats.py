@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import quote
 
 from kvpolicy import __version__
-from kvpolicy.diagnostics import CHECKS, CHECKS_BY_CODE, Diagnostic
+from kvpolicy.diagnostics import CHECKS, CHECKS_BY_CODE, Diagnostic, printable_path
 from kvpolicy.report import versioned
 
 FORMATS = ("text", "json", "github", "sarif")
@@ -96,7 +96,7 @@ def render(results: Sequence[FileResult], output: str) -> tuple[str, str]:
         if result.valid and result.kind is not None:
             warnings = sum(diagnostic.severity == "warning" for diagnostic in result.diagnostics)
             note = f" ({warnings} warning{'s' * (warnings != 1)})" if warnings else ""
-            notes.append(f"{result.path}: ok, {result.kind}{note}\n")
+            notes.append(f"{printable_path(result.path)}: ok, {result.kind}{note}\n")
     return "".join(lines), "".join(notes)
 
 
@@ -128,7 +128,7 @@ def github_command(diagnostic: Diagnostic) -> str:
     properties = ",".join(
         f"{name}={_escape_property(value)}"
         for name, value in (
-            ("file", diagnostic.path),
+            ("file", printable_path(diagnostic.path)),
             ("line", str(diagnostic.line)),
             ("col", str(diagnostic.column)),
             ("title", f"{diagnostic.code} {diagnostic.check.name}"),

@@ -226,3 +226,74 @@ def test_a_number_beyond_what_is_read_is_refused_where_it_stands(value: str, wha
 def test_the_largest_63_bit_integer_is_read_and_judged_by_the_model() -> None:
     text = f"version: 1\nkind: ReplicationPolicy\nname: x\nrules: []\naudit: {{steps: {2**63 - 1}}}\n"
     assert only_error(check_text(text, "p.yaml")[1]).message == "steps: input should be less than or equal to 10000"
+
+
+# --- odd paths -----------------------------------------------------------------------------------
+
+INVALID_POLICY = POLICY_HEAD + "rules: []\nbogus: 1\n"
+
+
+@pytest.mark.parametrize("name", ["de\x00fault", "policies/x\x00.yaml", "/tmp/x\x00.yaml"])
+def test_a_policy_name_or_path_holding_a_nul_is_one_located_error(name: str) -> None:
+    from kvpolicy.diagnostics import DocumentError
+    from kvpolicy.loader import load_policy
+
+    with pytest.raises(DocumentError) as raised:
+        load_policy(name)
+    (error,) = raised.value.diagnostics
+    assert (error.code, error.line, error.column) == ("KVP001", 1, 1)
+
+
+def test_the_connector_refuses_a_policy_path_holding_a_nul_with_its_configuration_error() -> None:
+    from kvpolicy.vllm.connector import KVPolicyConfigError, resolve_policy
+
+    with pytest.raises(KVPolicyConfigError, match="the path contains a NUL character"):
+        resolve_policy({"kvpolicy": "/tmp/policy\x00.yaml"})
+
+
+@pytest.mark.parametrize("name", ["a\nb.yaml", "a\rb.yaml", "a\x1eb.yaml"])
+def test_a_file_name_with_a_line_separator_keeps_each_problem_on_one_line(name: str, tmp_path: Path) -> None:
+    path = tmp_path / name
+    path.write_text(INVALID_POLICY)
+    result = run_cli("validate", str(path))
+    (line,) = result.stdout.splitlines()
+    assert result.returncode == 1 and line.endswith("unknown field 'bogus'; allowed: audit, combine, description, key, "
+                                                    "kind, load, name, rules, schedule, spec_fields, strict, unmatched, "
+                                                    "version [KVP102]")
+    assert line.startswith(str(tmp_path / name.encode("unicode_escape").decode()) + ":5:1: error: ")
+
+
+@pytest.mark.parametrize("output", ["text", "github"])
+def test_a_file_name_undecodable_as_utf8_prints_under_a_strict_utf8_stdout(output: str, tmp_path: Path) -> None:
+    path = os.fsencode(tmp_path) + b"/policy-\xff.yaml"
+    Path(os.fsdecode(path)).write_text(INVALID_POLICY)
+    code = "import sys\nfrom kvpolicy.app.cli import main\nsys.exit(main(sys.argv[1:]))"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "validate", "--format", output, path], capture_output=True, timeout=120,
+        check=False, env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"},
+    )
+    assert (result.returncode, result.stderr) == (1, b"")
+    assert b"policy-\\udcff.yaml" in result.stdout and b"KVP102" in result.stdout
+
+
+def test_schema_write_into_a_file_says_so_with_the_path(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    result = run_cli("schema", "--write", "--dir", str(tmp_path / "file"))
+    assert (result.returncode, result.stdout) == (
+        1, f"error: cannot write the schemas into '{tmp_path / 'file'}': it is not a directory\n"
+    )
+
+
+def test_schema_write_below_a_file_says_why_with_the_path(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    result = run_cli("schema", "--write", "--dir", str(tmp_path / "file" / "schemas"))
+    assert (result.returncode, result.stdout) == (
+        1, f"error: cannot write the schemas into '{tmp_path / 'file' / 'schemas'}': not a directory\n"
+    )
+
+
+def test_schema_write_into_a_path_holding_a_nul_is_a_sentence(tmp_path: Path) -> None:
+    result = run_cli("schema", "--write", "--dir", "", prelude="sys.argv[-1] = 'schemas\\x00'")
+    assert (result.returncode, result.stdout) == (
+        1, "error: cannot write the schemas into 'schemas\\x00': the path contains a NUL character\n"
+    )
