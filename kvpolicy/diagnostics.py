@@ -30,9 +30,11 @@ CHECKS: tuple[Check, ...] = (
     Check("KVP001", "unreadable-file", "error",
           "The path is not a regular file that can be read, within the size limit, as UTF-8 text."),
     Check("KVP002", "yaml-syntax", "error",
-          "The text is not exactly one well-formed YAML document (control characters, bad indentation, '---')."),
+          "The text is not exactly one well-formed YAML document of plain values (control characters, bad "
+          "indentation, '---', a tag such as !!binary or !custom)."),
     Check("KVP003", "too-large", "error",
-          "The document exceeds a bound: nodes, layer names, an expression's size or a value's magnitude."),
+          "The document exceeds a bound: nodes, characters once aliases are expanded, layer names, an expression's "
+          "size or a value's magnitude."),
     Check("KVP004", "duplicate-key", "error", "A mapping repeats a key (YAML loaders silently keep one)."),
     Check("KVP101", "document-kind", "error",
           "The top level is not a mapping, or 'kind' is missing, unknown or not what the command expects."),

@@ -39,6 +39,7 @@ from kvpolicy.models import (
     Rule,
     Schedule,
     Spec,
+    SpecExpressionError,
     SpecValues,
     Topology,
     thawed,
@@ -198,9 +199,9 @@ def _plan(
     ranks = _RankCache(topology, policy.schedule, store_sharding)
     decided: list[GroupDecision] = []
     problems: list[PlanProblem] = []
-    for index, group in enumerate(layout.groups):  # every group, so that one run reports every refusal
+    for index in range(len(layout.groups)):  # every group, so that one run reports every refusal
         try:
-            decided.append(_decide_group(policy, group, index, specs, ranks, demoted=index in demoted))
+            decided.append(_decide_group(policy, layout, index, specs, ranks, demoted=index in demoted))
         except PlanError as error:
             problems.extend(error.problems)
     if problems:
@@ -653,13 +654,14 @@ class _SpecCache:
 
 def _decide_group(
     policy: Policy,
-    group: Group,
+    layout: Layout,
     index: int,
     specs: _SpecCache,
     ranks: _RankCache,
     *,
     demoted: bool,
 ) -> GroupDecision:
+    group = layout.groups[index]
     members, kv_heads = specs.by_kv_heads(group.members)
     works = []
     for member, heads in zip(members, kv_heads, strict=True):
@@ -667,7 +669,8 @@ def _decide_group(
             works.append(specs.work(member.spec, heads))
         except ExpressionError as error:
             raise PlanError(
-                f"{_group_label(index, group)}: {member.spec.type} at {_topology_label(ranks.topology)}: {error.message}"
+                f"{_group_label(index, group)}: {member.spec.type} at {_topology_label(ranks.topology)}: {error.message}",
+                _spec_expression_origin(layout, index, member, error),
             ) from None
     shape_key = (*map(id, works), *[len(member.layers) for member in members], demoted)
     shape = specs.shapes.get(shape_key)
@@ -688,6 +691,18 @@ def _decide_group(
             layer_decisions=tuple(sorted(decision.layer_decisions, key=lambda d: order[d.layer]))
         )
     return decision
+
+
+def _spec_expression_origin(layout: Layout, index: int, member: Member, error: ExpressionError) -> str | None:
+    """``file:line:col`` of the expression of group ``index``'s ``member`` that ``error`` is about, when
+    the layout was loaded from a file."""
+    if not isinstance(error, SpecExpressionError):
+        return None
+    # A member split by KV heads keeps its spec: the group's member of that spec is the one in the file.
+    position = next(
+        (position for position, candidate in enumerate(layout.groups[index].members) if candidate.spec is member.spec), 0
+    )
+    return layout.spec_origin(index, position, error.attribute, error.column)
 
 
 def _group_label(index: int, group: Group) -> str:
@@ -837,8 +852,9 @@ def _decide_layers(
     if pending:
         if policy.strict:
             raise PlanError(
-                f"{label}, {_layers_label(pending)}: no rule matches {spec.type} and the policy is strict; "
-                f"add a rule for {spec.type} (or one of {', '.join(spec.classes[1:]) or 'its bases'})"
+                f"{label}, {_layers_label(pending)} at {_topology_label(topology)}: no rule matches {spec.type} and "
+                f"the policy is strict; add a rule for {spec.type} (or one of {', '.join(spec.classes[1:]) or 'its bases'})",
+                policy.strict_origin,
             )
         factor = topology.tp_size if policy.unmatched is Replication.REPLICATED else 1
         history = tuple(passed_over)

@@ -22,7 +22,15 @@ from pydantic import BaseModel, ValidationError
 from kvpolicy import catalog
 from kvpolicy.diagnostics import CHECKS_BY_NAME, Diagnostic, DocumentError
 from kvpolicy.expressions import Expression, ExpressionError
-from kvpolicy.models import SPEC_VARIABLES, AuditMode, Layout, Policy, expression_variables
+from kvpolicy.models import (
+    SPEC_VARIABLES,
+    AuditMode,
+    FieldExpression,
+    Layout,
+    Policy,
+    expression_variables,
+    field_expressions,
+)
 from kvpolicy.routers import template_router_problems
 from kvpolicy.yamlsource import MAX_DOCUMENT_BYTES, Path, SourceMap, parse
 
@@ -166,27 +174,29 @@ MAX_DIAGNOSTICS_PER_FILE = 100
 def check_text(text: str, path: str = "<string>") -> tuple[Document | None, list[Diagnostic]]:
     """Parse and validate one document; never raises on bad input. At most
     :data:`MAX_DIAGNOSTICS_PER_FILE` problems are listed, then how many more there are."""
-    document, problems = _check_text(text, path)
-    if len(problems) > MAX_DIAGNOSTICS_PER_FILE:
-        hidden = len(problems) - MAX_DIAGNOSTICS_PER_FILE
-        last = problems[MAX_DIAGNOSTICS_PER_FILE - 1]
+    document, problems, undescribed = _check_text(text, path)
+    shown = problems[:MAX_DIAGNOSTICS_PER_FILE]
+    hidden = len(problems) - len(shown) + undescribed
+    if hidden:
+        line, column = (shown[-1].line, shown[-1].column) if shown else (1, 1)
         problems = [
-            *problems[:MAX_DIAGNOSTICS_PER_FILE],
-            Diagnostic(path, last.line, last.column, "error" if document is None else "warning",
+            *shown,
+            Diagnostic(path, line, column, "error" if document is None else "warning",
                        f"{hidden} more problems in this file not shown; fix these first", "KVP901"),
         ]
     return document, problems
 
 
-def _check_text(text: str, path: str) -> tuple[Document | None, list[Diagnostic]]:
+def _check_text(text: str, path: str) -> tuple[Document | None, list[Diagnostic], int]:
+    """(document or None, problems, how many more problems were found but not described)."""
     data, source, problems = parse(text, path)
     if data is None and problems:
-        return None, problems
+        return None, problems, 0
     if not isinstance(data, dict):
-        return None, [*problems, source.diagnostic((), "expected a mapping with 'version' and 'kind' at the top level", code="KVP101")]
+        return None, [*problems, source.diagnostic((), "expected a mapping with 'version' and 'kind' at the top level", code="KVP101")], 0
     model = _model_for(data, source, problems)
     if model is None:
-        return None, problems
+        return None, problems, 0
     if not (isinstance(data.get("kind"), str) and data["kind"] in KINDS):
         # Kind missing or wrong, already reported: check the rest as the kind its content says,
         # so every other problem is reported in this run too.
@@ -194,22 +204,62 @@ def _check_text(text: str, path: str) -> tuple[Document | None, list[Diagnostic]
     try:
         document = model.model_validate(data)
     except ValidationError as error:
-        problems.extend(_validation_diagnostics(error, model, source))
+        described, undescribed = _validation_diagnostics(error, model, source, MAX_DIAGNOSTICS_PER_FILE + 1 - len(problems))
+        problems.extend(described)
         # Expression names in a document that failed elsewhere (the model checks them only once the
         # rest validates); the same problem found both ways is reported once.
-        problems.extend(_warnings_for_raw(data, model, source))
-        return None, sorted(set(problems))
+        problems.extend(itertools.islice(_warnings_for_raw(data, model, source), MAX_DIAGNOSTICS_PER_FILE + 1))
+        return None, sorted(set(problems)), undescribed
     document_problems = list(_semantic_checks(document, source))
     problems.extend(document_problems)
     problems.sort()
     if any(problem.severity == "error" for problem in problems):
-        return None, problems
+        return None, problems, 0
     if isinstance(document, Policy):
         document = document.with_origins(
             tuple(f"{path}:{source.locate(('rules', index)).line}" for index in range(len(document.rules))),
             tuple(_expression_origins(path, source, index, rule) for index, rule in enumerate(document.rules)),
+            _origin(path, source, ("strict",)),
         )
-    return document, problems
+    else:
+        origins = _spec_origins(path, source, document)
+        if origins:
+            document = document.with_spec_origins(origins)
+    return document, problems, 0
+
+
+def _origin(path: str, source: SourceMap, location: Path) -> str | None:
+    """``file:line:col`` where the value at ``location`` starts (inside its quotes), or None."""
+    position = source.value_position(location)
+    if position is None:
+        return None
+    return f"{path}:{position.line}:{position.column + (1 if position.quoted else 0)}"
+
+
+def _spec_origins(path: str, source: SourceMap, layout: Layout) -> dict[tuple[int, int, tuple[str, ...]], str]:
+    """Where each expression of the layout's specs that reads the topology stands, by (group, member,
+    attribute as :class:`~kvpolicy.models.SpecExpressionError` names it): only those can fail at plan
+    time (the others were evaluated here)."""
+    origins: dict[tuple[int, int, tuple[str, ...]], str] = {}
+    for group_index, group in enumerate(layout.groups):
+        for member_index, member in enumerate(group.members):
+            base: Path = ("groups", group_index, "spec") if group.uniform is None else (
+                "groups", group_index, "uniform", member_index, "spec"
+            )
+            spec = member.spec
+            places: list[tuple[str, ...]] = [
+                (name,) for name in ("block_size", "page_size_bytes") if getattr(spec, name).names
+            ]
+            for name, value in spec.fields.items():
+                if isinstance(value, FieldExpression) and value.expr.names:
+                    places.append(("fields", name, "expr"))
+                elif isinstance(value, tuple) and any(expression.names for expression in field_expressions(value)):
+                    places.append(("fields", name))
+            for attribute in places:
+                origin = _origin(path, source, (*base, *attribute))
+                if origin is not None:
+                    origins[(group_index, member_index, attribute)] = origin
+    return origins
 
 
 def _expression_origins(path: str, source: SourceMap, index: int, rule: Any) -> dict[str, str]:
@@ -270,20 +320,38 @@ def _model_for(data: dict[str, Any], source: SourceMap, problems: list[Diagnosti
 # --- turning pydantic errors into located diagnostics -------------------------------------------
 
 
-def _validation_diagnostics(error: ValidationError, model: type[BaseModel], source: SourceMap) -> Iterator[Diagnostic]:
+_DESCRIBED_PER_LISTED = 20
+"""Pydantic errors described at most per problem listed (most of them are repeated by aliases)."""
+
+
+def _validation_diagnostics(
+    error: ValidationError, model: type[BaseModel], source: SourceMap, limit: int
+) -> tuple[list[Diagnostic], int]:
+    """The first ``limit`` distinct problems pydantic found, located, and how many of its errors were
+    left undescribed: a file of a hundred thousand errors costs no more than a hundred lines (each
+    costs a did-you-mean, a walk of the source)."""
     seen: set[tuple[Path, str]] = set()
-    items = error.errors(include_url=False)
+    located: set[Diagnostic] = set()  # aliases repeat a problem at one place: it counts once
+    items = error.errors(include_url=False, include_input=False)
     locations = [tuple(part for part in item["loc"] if _is_data_key(part)) for item in items]
-    for item, location in zip(items, locations, strict=True):
-        if item["type"] == "too_short" and any(
-            len(other) > len(location) and other[: len(location)] == location for other in locations
-        ):
+    # Where some error stands below: a too_short there only counts the items that failed inside.
+    above = {location[:end] for location in locations for end in range(len(location))}
+    found: list[Diagnostic] = []
+    for position, (item, location) in enumerate(zip(items, locations, strict=True)):
+        # Errors that aliases repeat at one place are described to find that out: a bounded number.
+        if len(found) >= limit or position >= _DESCRIBED_PER_LISTED * limit:
+            return found, len(items) - position
+        if item["type"] == "too_short" and location in above:
             continue  # pydantic counts only the items that validated; the real error is reported inside
         message, prefer_key, offset, code = _describe(item, location, model)
         if (location, message) in seen:
             continue
         seen.add((location, message))
-        yield source.diagnostic(location, message, code=code, prefer_key=prefer_key, offset=offset)
+        diagnostic = source.diagnostic(location, message, code=code, prefer_key=prefer_key, offset=offset)
+        if diagnostic not in located:
+            located.add(diagnostic)
+            found.append(diagnostic)
+    return found, 0
 
 
 def _is_data_key(part: Any) -> bool:

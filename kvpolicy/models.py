@@ -31,6 +31,9 @@ from pydantic import (
     PlainSerializer,
     PlainValidator,
     PrivateAttr,
+    StrictBool,
+    StrictInt,
+    StrictStr,
     ValidationError,
     ValidationInfo,
     WithJsonSchema,
@@ -79,7 +82,8 @@ ExpressionText = Annotated[
 ]
 """An integer or an expression such as ``max(1, tp_size // total_num_kv_heads)``."""
 
-ScalarValue = int | bool | str | None
+ScalarValue = StrictInt | StrictBool | StrictStr | None
+"""Strict: a number written ``1.0`` is not the integer 1, nor the string ``"1"``."""
 MatchValue = ScalarValue | list[Any]
 """A value a rule's ``match.fields`` compares with; once loaded, its lists are tuples (:func:`deep_frozen`)."""
 
@@ -286,6 +290,13 @@ def expression_variables(spec_fields: Iterable[str] = ()) -> frozenset[str]:
     return frozenset(TOPOLOGY_VARIABLES) | frozenset(SPEC_VARIABLES) | SPEC_FIELDS | frozenset(spec_fields)
 
 
+def _invalid(message: str) -> PydanticCustomError:
+    """A value error of a validator that runs once per item (a group, a rule, a field): pydantic keeps
+    an exception raised as ``ValueError``, with its traceback and the frames' locals, in each error,
+    which a file of a hundred thousand bad items would multiply; this keeps the message."""
+    return PydanticCustomError("invalid-value", "{message}", {"message": message})
+
+
 def _located_error(check: str, location: tuple[str | int, ...], value: Any, error: ExpressionError) -> InitErrorDetails:
     """A validation error of ``check`` (a :data:`kvpolicy.diagnostics.CHECKS` name) at ``location``
     below the model raising it, ``column`` characters into the value."""
@@ -293,14 +304,17 @@ def _located_error(check: str, location: tuple[str | int, ...], value: Any, erro
     return InitErrorDetails(type=PydanticCustomError(check, "{message}", context), loc=location, input=value)
 
 
-def _not_a_boolean(value: Any) -> Any:
+def _an_integer(value: Any) -> Any:
     # YAML's `true` is Python's True, which equals 1; the JSON Schema's `const: 1` rejects it, so must this.
     if isinstance(value, bool):
         raise ValueError(f"must be the integer 1, not {str(value).lower()}")
+    # `1.0` (or `!!float 1`) equals 1 too, and a Literal takes it: a version is a whole number as written.
+    if isinstance(value, float):
+        raise ValueError(f"must be the integer 1, not the number {value!r}")
     return value
 
 
-DocumentVersion = Annotated[Literal[1], BeforeValidator(_not_a_boolean)]
+DocumentVersion = Annotated[Literal[1], BeforeValidator(_an_integer)]
 """The document format version: exactly the integer 1."""
 
 
@@ -397,7 +411,7 @@ class Rule(StrictModel):
     def _one_outcome(self) -> Rule:
         given = [name for name in ("replication", "factor", "shards") if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ValueError(
+            raise _invalid(
                 "a rule needs exactly one of 'replication', 'factor' or 'shards'"
                 + (f", got {' and '.join(given)}" if given else "")
             )
@@ -460,6 +474,12 @@ class Policy(StrictModel):
 
     _origins: tuple[str, ...] = PrivateAttr(default=())
     _expression_origins: tuple[Mapping[str, str], ...] = PrivateAttr(default=())
+    _strict_origin: str | None = PrivateAttr(default=None)
+
+    @property
+    def strict_origin(self) -> str | None:
+        """``file:line:col`` of ``strict:``'s value when it was loaded from a file that sets it; else None."""
+        return self._strict_origin
 
     @field_validator("rules")
     @classmethod
@@ -504,19 +524,37 @@ class Policy(StrictModel):
         return f"{path_line}:{int(start) + offset}"
 
     def with_origins(
-        self, origins: tuple[str, ...], expression_origins: tuple[Mapping[str, str], ...] = ()
+        self,
+        origins: tuple[str, ...],
+        expression_origins: tuple[Mapping[str, str], ...] = (),
+        strict_origin: str | None = None,
     ) -> Policy:
-        """This policy, knowing where its rules (``file:line``) and their expressions
-        (``file:line:col`` per field) stand in the file it was loaded from."""
+        """This policy, knowing where its rules (``file:line``), their expressions (``file:line:col``
+        per field) and its ``strict`` setting stand in the file it was loaded from."""
         copy = self.model_copy()
         copy._origins = origins
         copy._expression_origins = expression_origins
+        copy._strict_origin = strict_origin
         return copy
 
 
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 MAX_LAYOUT_LAYERS = 200_000
 """Layer names one layout may expand to; real models have a few hundred at most."""
+
+
+MAX_LAYOUT_NAME_CHARS = 32 * 1024 * 1024
+"""Characters all of a layout's layer names may expand to (200,000 names of 160 characters): a few
+ranges behind a long name must not make gigabytes of names."""
+MAX_LAYER_NAME_CHARS = 1000
+"""Characters of one layer name."""
+
+
+def _expanded_length(pattern: str) -> int:
+    """Characters of the longest name ``pattern`` expands to (each range at its upper bound)."""
+    if "{" not in pattern:
+        return len(pattern)
+    return len(_RANGE.sub(lambda found: found.group(2), pattern))
 
 
 def _expanded_count(pattern: str) -> int:
@@ -547,6 +585,12 @@ def _entry_patterns(entries: Iterable[Any]) -> Iterator[str]:
             yield from (pattern for pattern in layers if isinstance(pattern, str))
 
 
+def _excerpt(text: str, limit: int = 80) -> str:
+    """``text`` as an error quotes it: its first ``limit`` characters (a message quoting a megabyte, once
+    per alias repeating it, would be a megabyte each)."""
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
 def expand_layer_pattern(pattern: str) -> tuple[str, ...]:
     """Expand ``{a..b}`` ranges (inclusive): ``l.{0..2}.attn`` → ``l.0.attn``, ``l.1.attn``, ``l.2.attn``."""
     if "{" not in pattern:  # no range (most names), without the regular expression
@@ -556,12 +600,18 @@ def expand_layer_pattern(pattern: str) -> tuple[str, ...]:
         return (pattern,)
     low, high = int(found.group(1)), int(found.group(2))
     if high < low or high - low > 100_000:
-        raise PydanticCustomError("too-large", "layer range {range} is empty or too large", {"range": found.group(0)})
+        raise PydanticCustomError("too-large", "layer range {range} is empty or too large", {"range": found.group(0)[:80]})
+    length = _expanded_length(pattern)
+    if length > MAX_LAYER_NAME_CHARS:  # refused before any is made: each would be refused anyway
+        raise PydanticCustomError(
+            "too-large", "layer pattern '{pattern}' expands to names of {length} characters; at most {limit} are allowed",
+            {"pattern": _excerpt(pattern), "length": length, "limit": MAX_LAYER_NAME_CHARS},
+        )
     total = math.prod(int(b) - int(a) + 1 for a, b in _RANGE.findall(pattern))
     if total > 100_001:
         raise PydanticCustomError(
             "too-large", "layer pattern '{pattern}' expands to {total} names; at most 100001 are allowed",
-            {"pattern": pattern, "total": total},
+            {"pattern": _excerpt(pattern), "total": total},
         )
     head, tail = pattern[: found.start()], pattern[found.end() :]
     return tuple(name for index in range(low, high + 1) for name in expand_layer_pattern(f"{head}{index}{tail}"))
@@ -585,7 +635,7 @@ def _field_value(value: Any) -> Any:
         return tuple(_list_item(item) for item in value)
     if isinstance(value, Mapping):
         if set(value) != {"expr"}:
-            keys = ", ".join(repr(key) for key in list(value)[:5])
+            keys = ", ".join(_excerpt(repr(key), 40) for key in itertools.islice(value, 5))
             raise ValueError(
                 f"a mapping as a field value must be {{expr: EXPRESSION}} (a value that depends on the topology), "
                 f"not one with keys {keys}"
@@ -594,7 +644,7 @@ def _field_value(value: Any) -> Any:
         if isinstance(expression, bool) or not isinstance(expression, (int, str)):
             raise ValueError(f"'expr' must be an expression string, got {type(expression).__name__}")
         return FieldExpression(expr=_parse_expression(expression))
-    raise ValueError(f"expected an integer, boolean, string, null, list or {{expr: ...}}, got {type(value).__name__}")
+    raise _invalid(f"expected an integer, boolean, string, null, list or {{expr: ...}}, got {type(value).__name__}")
 
 
 def _list_item(item: Any) -> Any:
@@ -631,12 +681,13 @@ _PAGE_SIZE_READS = _BLOCK_SIZE_READS | {"block_size"}
 _FIELD_READS = _BLOCK_SIZE_READS | frozenset(SPEC_VARIABLES)
 
 
-def _field_expressions(value: Any) -> Iterator[Expression]:
+def field_expressions(value: Any) -> Iterator[Expression]:
+    """The expressions in a spec field's value (a :class:`FieldExpression`, or a list holding some)."""
     if isinstance(value, FieldExpression):
         yield value.expr
     elif isinstance(value, tuple):
         for item in value:
-            yield from _field_expressions(item)
+            yield from field_expressions(item)
 
 
 def _evaluated_field(value: Any, variables: Mapping[str, Any]) -> Any:
@@ -693,6 +744,40 @@ class Spec(StrictModel):
         _check_reads(page_size, _PAGE_SIZE_READS)
         return page_size
 
+    @model_validator(mode="after")
+    def _constant_values_are_valid(self) -> Spec:
+        """What reads no topology variable has its value at every topology: judged here, where it
+        stands, not at the first plan (a ``page_size_bytes`` of ``-1``, a field ``{expr: 1 // 0}``)."""
+        if self.block_size.names:
+            return self
+        constants: dict[str, Any] = {"block_size": self.block_size.evaluate({})}
+        errors: list[InitErrorDetails] = []
+        page_size = self.page_size_bytes
+        if page_size.names <= constants.keys():
+            try:
+                value = page_size.evaluate(constants)
+                if type(value) is not int or value < 0:
+                    raise ExpressionError(f"'{page_size.source}' is {value!r}, not a byte count")
+                constants["page_size_bytes"] = value
+            except ExpressionError as error:
+                errors.append(_located_error("invalid-value", ("page_size_bytes",), page_size.source, error))
+        for name, value in self.fields.items():
+            for expression in field_expressions(value):
+                if len(errors) >= 100 or not expression.names <= constants.keys():
+                    continue
+                try:
+                    expression.evaluate(constants)
+                except ExpressionError as error:
+                    if isinstance(value, FieldExpression):  # at the character, in the expression
+                        where: tuple[str, ...] = ("fields", name, "expr")
+                        error = ExpressionError(f"field '{name}': {error.message}", error.column)
+                    else:  # in a list: at the field (an item's index is not its place in nested lists)
+                        where, error = ("fields", name), ExpressionError(error.message)
+                    errors.append(_located_error("invalid-value", where, expression.source, error))
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
+        return self
+
     @field_validator("fields", mode="after")
     @classmethod
     def _field_expressions_read_the_topology(
@@ -700,7 +785,7 @@ class Spec(StrictModel):
     ) -> FrozenMapping[str, FieldValue]:
         for value in fields.values():
             if isinstance(value, (FieldExpression, tuple)):  # the others hold no expression
-                for expression in _field_expressions(value):
+                for expression in field_expressions(value):
                     _check_reads(expression, _FIELD_READS)
         return fields
 
@@ -716,7 +801,9 @@ class Spec(StrictModel):
             try:
                 fields[name] = _evaluated_field(value, variables)
             except ExpressionError as error:
-                raise ExpressionError(f"field '{name}': {error.message}", error.column) from None
+                if isinstance(value, FieldExpression):
+                    raise SpecExpressionError(f"field '{name}': {error.message}", error.column, ("fields", name, "expr")) from None
+                raise SpecExpressionError(f"field '{name}': {error.message}", 0, ("fields", name)) from None
         return SpecValues(self.type, self.classes, block_size, page_size, FrozenMapping(fields))
 
     @field_validator("fields")
@@ -760,15 +847,27 @@ def _reads_only(source: str, known: frozenset[str]) -> None:
         raise ValueError(error.message) from error
 
 
+class SpecExpressionError(ExpressionError):
+    """An expression of a spec that fails at one topology (:meth:`Spec.evaluate`), knowing which:
+    ``attribute`` is its place in the spec (``("page_size_bytes",)``, ``("fields", "x", "expr")``),
+    so that the plan's refusal can point at it in the layout's file."""
+
+    def __init__(self, message: str, column: int, attribute: tuple[str, ...]) -> None:
+        super().__init__(message, column)
+        self.attribute = attribute
+
+
 def _size(name: str, expression: Expression, variables: Mapping[str, Any], *, minimum: int) -> int:
     try:
         value = expression.evaluate(variables)
     except ExpressionError as error:
-        raise ExpressionError(f"{name}: {error.message}", error.column) from None
+        raise SpecExpressionError(f"{name}: {error.message}", error.column, (name,)) from None
     if type(value) is not int or value < minimum:
-        raise ExpressionError(
+        raise SpecExpressionError(
             f"{name} '{expression.source}' is {value!r}, not "
-            + ("a positive number of tokens" if minimum else "a byte count")
+            + ("a positive number of tokens" if minimum else "a byte count"),
+            0,
+            (name,),
         )
     return value
 
@@ -823,11 +922,11 @@ class Group(StrictModel):
     def _one_shape(self) -> Group:
         if self.uniform is not None:
             if self.spec is not None or self.layers is not None:
-                raise ValueError("a group has either 'spec' and 'layers', or 'uniform', not both")
+                raise _invalid("a group has either 'spec' and 'layers', or 'uniform', not both")
             if not self.uniform:
-                raise ValueError("'uniform' needs at least one entry")
+                raise _invalid("'uniform' needs at least one entry")
         elif self.spec is None or not self.layers:
-            raise ValueError("a group needs 'spec' and 'layers', or 'uniform'")
+            raise _invalid("a group needs 'spec' and 'layers', or 'uniform'")
         return self
 
     @cached_property
@@ -874,6 +973,21 @@ class LayerHeads(StrictModel):
     _expand = field_validator("layers", mode="before")(LayerSpecs._expand.__func__)  # type: ignore[attr-defined]
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _SourceOrigins:
+    """Where a document's parts stand in the file it was read from: not part of what the document
+    is, so any two compare equal (a layout read from one file equals the same layout read from
+    another, or dumped and read back)."""
+
+    origins: Mapping[tuple[int, int, tuple[str, ...]], str]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _SourceOrigins)
+
+    def __hash__(self) -> int:
+        return 0
+
+
 class Layout(StrictModel):
     """A model's prefix-cacheable KV-cache groups, as vLLM builds them."""
 
@@ -902,16 +1016,45 @@ class Layout(StrictModel):
     groups: tuple[Group, ...] = Field(min_length=1)
     """Groups in vLLM's order; a group's index is its position in this list."""
 
+    _spec_origins: _SourceOrigins = PrivateAttr(default_factory=lambda: _SourceOrigins({}))
+
+    def spec_origin(self, group: int, member: int, attribute: tuple[str, ...], offset: int = 0) -> str | None:
+        """``file:line:col`` of an expression of member ``member`` of group ``group``'s spec
+        (``attribute`` as :class:`SpecExpressionError` names it), ``offset`` characters into it, when
+        the layout was loaded from a file and the expression reads the topology; else None."""
+        found = self._spec_origins.origins.get((group, member, attribute))
+        if found is None:
+            return None
+        path_line, _, start = found.rpartition(":")
+        return f"{path_line}:{int(start) + offset}"
+
+    def with_spec_origins(self, origins: Mapping[tuple[int, int, tuple[str, ...]], str]) -> Layout:
+        """This layout, knowing where the expressions of its specs that read the topology stand
+        (``file:line:col`` by group, member and attribute) in the file it was loaded from."""
+        copy = self.model_copy()
+        copy._spec_origins = _SourceOrigins(dict(origins))
+        return copy
+
     @model_validator(mode="before")
     @classmethod
     def _bounded_expansion(cls, data: Any) -> Any:
         # Checked on the raw patterns, before any is expanded: each pattern is bounded on its own,
         # but a few hundred bytes of ranges could still ask for millions of names in total.
-        total = sum(_expanded_count(pattern) for pattern in _layer_patterns(data))
+        total = characters = 0
+        for pattern in _layer_patterns(data):
+            count = _expanded_count(pattern)
+            total += count
+            characters += count * _expanded_length(pattern)
         if total > MAX_LAYOUT_LAYERS:
             raise PydanticCustomError(
                 "too-large", "the layer names expand to {total} layers; a layout may have at most {limit}",
                 {"total": total, "limit": MAX_LAYOUT_LAYERS},
+            )
+        if characters > MAX_LAYOUT_NAME_CHARS:
+            raise PydanticCustomError(
+                "too-large",
+                "the layer names expand to {characters} characters; a layout's layer names may have at most {limit}",
+                {"characters": characters, "limit": MAX_LAYOUT_NAME_CHARS},
             )
         return data
 

@@ -30,9 +30,22 @@ MAX_DOCUMENT_BYTES = 1024 * 1024
 """A policy or layout is a few KiB; a captured layout of a thousand layers some tens."""
 MAX_NODES = 100_000
 """YAML nodes (keys, values, alias uses) one document may build."""
-_STR_TAG = "tag:yaml.org,2002:str"
-_INT_TAG = "tag:yaml.org,2002:int"
-_FLOAT_TAG = "tag:yaml.org,2002:float"
+_YAML_TAG = "tag:yaml.org,2002:"
+_STR_TAG = _YAML_TAG + "str"
+_INT_TAG = _YAML_TAG + "int"
+_FLOAT_TAG = _YAML_TAG + "float"
+_MAP_TAG = _YAML_TAG + "map"
+_SEQ_TAG = _YAML_TAG + "seq"
+SCALAR_TAGS = frozenset(_YAML_TAG + name for name in ("str", "int", "float", "bool", "null", "timestamp"))
+"""Tags a scalar may have, implicitly or written out (``!!float 1`` is the float 1.0, ``!!str 1`` the
+string "1"): its value is what the tag declares, and the models judge it. Every other tag
+(``!!binary``, ``!!set``, ``!!omap``, ``!!python/...``, a local ``!tag``, one a ``%TAG`` directive
+names) is refused where it stands: a document holds strings, numbers, booleans, nulls, dates, lists and
+mappings, and none other may pass for one of these."""
+MAX_EXPANDED_CHARS = 1024 * 1024
+"""Characters of keys and scalar values a document may hold once its aliases are expanded: as many as
+it could hold written out (:data:`MAX_DOCUMENT_BYTES`), so that aliases repeating a long key or value
+cannot make the problems of a small file, each quoting it, take gigabytes."""
 MAX_INTEGER = MAX_INT
 """Largest integer a document may hold (in magnitude), the models' and expressions' bound too; no
 field needs more, and a bound keeps every later step (messages, arithmetic) cheap."""
@@ -176,12 +189,18 @@ class _Builder:
         self.constructor = SafeConstructor()
         self.problems: list[Diagnostic] = []
         self.nodes = 0
+        self.refused = False
+        """Whether a tag was refused: the value built is then not the document's."""
 
     def build(self, node: yaml.Node, path: Path) -> Any:
         self.nodes += 1
         if self.nodes > MAX_NODES:
             raise _TooLarge
         self.values[path] = _position(node)
+        if not _honoured(node):
+            self.problems.append(_refused_tag(self.path, node))
+            self.refused = True
+            return None
         if isinstance(node, yaml.MappingNode):
             result: dict[Any, Any] = {}
             for key_node, value_node in node.value:
@@ -238,6 +257,10 @@ class _Builder:
         return value
 
     def _scalar_key(self, node: yaml.Node) -> Any:
+        if isinstance(node, yaml.ScalarNode) and node.tag not in SCALAR_TAGS:
+            self.problems.append(_refused_tag(self.path, node))
+            self.refused = True
+            return None
         if not isinstance(node, yaml.ScalarNode):
             self.problems.append(
                 Diagnostic(
@@ -252,6 +275,29 @@ class _Builder:
             return None
         key = self._scalar(node, deep=False)
         return str(key) if not isinstance(key, str) else key
+
+
+def _honoured(node: yaml.Node) -> bool:
+    """Whether ``node``'s tag is one a document may hold (:data:`SCALAR_TAGS`, a list's, a mapping's)."""
+    kind = node.__class__
+    if kind is ScalarNode:
+        return node.tag in SCALAR_TAGS
+    return node.tag == (_MAP_TAG if kind is MappingNode else _SEQ_TAG)
+
+
+def _refused_tag(path: str, node: yaml.Node) -> Diagnostic:
+    tag = str(node.tag)
+    line, column = node.start_mark.line + 1, node.start_mark.column + 1
+    if tag == _YAML_TAG + "merge":
+        return Diagnostic(path, line, column, "error", "YAML merge keys ('<<') are not read; write the keys out", "KVP002")
+    shown = "!!" + tag[len(_YAML_TAG):] if tag.startswith(_YAML_TAG) else tag if tag.startswith("!") else f"!<{tag}>"
+    what = "a scalar" if isinstance(node, ScalarNode) else "a list" if isinstance(node, SequenceNode) else "a mapping"
+    return Diagnostic(
+        path, line, column, "error",
+        f"YAML tag {shown} on {what} is not read: a policy or layout holds strings, numbers, booleans, nulls, lists "
+        "and mappings; remove the tag (quote the value to keep it as text)",
+        "KVP002",
+    )
 
 
 class _TooLarge(Exception):
@@ -320,6 +366,8 @@ def _plain_value(root: yaml.Node) -> Any:
         if depth > _PLAIN_DEPTH:
             raise _Unsure
         kind = node.__class__
+        if node.tag != (_MAP_TAG if kind is MappingNode else _SEQ_TAG):
+            raise _Unsure  # a tag on a list or mapping (or a node class of PyYAML's own): the reference refuses it
         if kind is MappingNode:
             result: dict[str, Any] = {}
             for key_node, value_node in node.value:
@@ -402,6 +450,10 @@ def parse(text: str, path: str, *, reference: bool = False) -> tuple[Any, Source
                 path, mark.line + 1, mark.column + 1, "error", "one document per file; remove the '---' separator", "KVP002"
             )
         ]
+    if "&" in text:  # else there is no anchor, so no alias to expand
+        expanded = _expansion_problem(nodes[0], path)
+        if expanded is not None:
+            return None, source, [expanded]
     if not reference:
         try:
             value = _plain_value(nodes[0])
@@ -411,6 +463,56 @@ def parse(text: str, path: str, *, reference: bool = False) -> tuple[Any, Source
             return _reference_value(nodes[0], source)
         return value, SourceMap(path, nodes[0]), []
     return _reference_value(nodes[0], source)
+
+
+class _Expanded(Exception):
+    def __init__(self, node: yaml.Node, chars: int) -> None:
+        super().__init__(chars)
+        self.node, self.chars = node, chars
+
+
+class _PastNodeLimit(Exception):
+    pass
+
+
+def _expansion_problem(root: yaml.Node, path: str) -> Diagnostic | None:
+    """A diagnostic where aliases make the document hold more than :data:`MAX_EXPANDED_CHARS` characters
+    of keys and scalars, at the innermost list or mapping whose expansion passes the bound; None
+    otherwise, and where the expansion passes :data:`MAX_NODES` first (the readers report that). Each
+    list or mapping is sized once, however often aliases repeat it: linear in the text."""
+    sizes: dict[int, tuple[int, int]] = {}  # id of a list or mapping -> (nodes, characters) expanded
+
+    def size(node: yaml.Node) -> tuple[int, int]:
+        if node.__class__ is ScalarNode:
+            return 1, len(node.value)
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        nodes, chars = 1, 0
+        children = node.value if node.__class__ is SequenceNode else (part for pair in node.value for part in pair)
+        for child in children:
+            child_nodes, child_chars = size(child)
+            nodes, chars = nodes + child_nodes, chars + child_chars
+            if nodes > MAX_NODES:
+                raise _PastNodeLimit
+            if chars > MAX_EXPANDED_CHARS:
+                raise _Expanded(node, chars)
+        sizes[id(node)] = (nodes, chars)
+        return nodes, chars
+
+    try:
+        size(root)
+    except (_PastNodeLimit, RecursionError):  # judged by the readers, as any document
+        return None
+    except _Expanded as expanded:
+        line, column = _position(expanded.node)[:2]
+        return Diagnostic(
+            path, line, column, "error",
+            f"aliases expand this to more than {MAX_EXPANDED_CHARS} characters of keys and values, more than the "
+            "file could hold written out; repeat less through aliases",
+            "KVP003",
+        )
+    return None
 
 
 def _too_many_nodes(path: str) -> Diagnostic:
@@ -434,4 +536,6 @@ def _reference_value(root: yaml.Node, source: SourceMap) -> tuple[Any, SourceMap
         # A marked error's str() appends its marks on further lines; the diagnostic has them already.
         detail = getattr(error, "problem", None) or str(error)
         return None, source, [Diagnostic(path, line, column, "error", f"YAML value: {detail}", "KVP002")]
+    if builder.refused:  # a value stood in for each refused tag: judge the types, not those values
+        return None, source, builder.problems
     return value, source, builder.problems

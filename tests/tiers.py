@@ -65,6 +65,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "core/test_one_source_of_validity.py": "pure",
     "core/test_plain_reader.py": "pure",
     "core/test_plan_cache.py": "pure",
+    "core/test_plan_error_locations.py": "pure",
     "core/test_plan_sharing.py": "pure",
     "core/test_router_descriptor.py": "pure",
     "core/test_router_grammar.py": "pure",

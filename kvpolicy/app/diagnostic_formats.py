@@ -13,6 +13,7 @@ connector refuses such a document whatever the linter prints.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import PurePath
@@ -142,7 +143,7 @@ def _artifact_uri(path: str) -> str:
     pure = PurePath(path)
     if pure.is_absolute():
         return pure.as_uri()
-    return quote(pure.as_posix(), safe="/")
+    return quote(os.fsencode(pure.as_posix()), safe="/")  # the bytes the OS names: a name need not be UTF-8
 
 
 def sarif_log(results: Sequence[FileResult]) -> dict[str, Any]:

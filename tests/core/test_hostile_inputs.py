@@ -297,3 +297,143 @@ def test_schema_write_into_a_path_holding_a_nul_is_a_sentence(tmp_path: Path) ->
     assert (result.returncode, result.stdout) == (
         1, "error: cannot write the schemas into 'schemas\\x00': the path contains a NUL character\n"
     )
+
+
+# --- YAML tags -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "tag"),
+    [
+        (POLICY_HEAD + "rules: []\ndescription: !!binary ZXhhbXBsZQ==\n", (5, 14), "!!binary on a scalar"),
+        (POLICY_HEAD + "rules: []\nspec_fields: !!set {a, b}\n", (5, 14), "!!set on a mapping"),
+        (POLICY_HEAD + "rules: []\nspec_fields: !!omap [a: 1]\n", (5, 14), "!!omap on a list"),
+        (POLICY_HEAD + "rules: []\nspec_fields: !!python/tuple [a]\n", (5, 14), "!!python/tuple on a list"),
+        (POLICY_HEAD + "rules: []\naudit: !custom {mode: warn}\n", (5, 8), "!custom on a mapping"),
+        ("%TAG ! tag:example.com,2000:\n---\n" + POLICY_HEAD + "rules: []\naudit: !a {mode: warn}\n", (7, 8),
+         "!<tag:example.com,2000:a> on a mapping"),
+    ],
+    ids=["binary", "set", "omap", "python", "local", "directive"],
+)
+def test_a_tag_outside_the_core_types_is_refused_where_it_stands(text: str, where: tuple[int, int], tag: str) -> None:
+    error = only_error(check_text(text, "p.yaml")[1])
+    assert ((error.line, error.column), error.code) == (where, "KVP002")
+    assert error.message.startswith(f"YAML tag {tag} is not read")
+
+
+def test_every_refused_tag_is_reported_at_once() -> None:
+    text = POLICY_HEAD + "rules: []\ndescription: !!binary ZXhhbXBsZQ==\naudit: !custom {mode: warn}\n"
+    assert [(problem.line, problem.code) for problem in check_text(text, "p.yaml")[1]] == [(5, "KVP002"), (6, "KVP002")]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("version: !!float 1", "version: must be the integer 1, not the number 1.0"),
+        ("version: 1.0", "version: must be the integer 1, not the number 1.0"),
+        ("version: !!str 1", "version: "),
+        ("name: !!int 5", "name: expected a string"),
+    ],
+)
+def test_a_core_tag_gives_the_type_it_declares(line: str, message: str) -> None:
+    text = POLICY_HEAD.replace(POLICY_HEAD.splitlines()[0 if line.startswith("version") else 2], line) + "rules: []\n"
+    error = only_error(check_text(text, "p.yaml")[1])
+    assert error.message.startswith(message) and error.line == (1 if line.startswith("version") else 3)
+
+
+def test_a_string_tag_on_a_block_size_is_the_same_expression() -> None:
+    document, problems = check_text(LAYOUT.replace("block_size: 16", "block_size: !!str 16"), "l.yaml")
+    assert document is not None and document.groups[0].spec.block_size.source == "16"
+
+
+def test_a_float_where_a_match_field_compares_is_refused() -> None:
+    rule = "rules:\n  - name: a\n    reason: r\n    match: {fields: {num_kv_heads: 1.0}}\n    replication: sharded\n"
+    document, problems = check_text(POLICY_HEAD + rule, "p.yaml")
+    assert document is None and problems and all((problem.line, problem.column) == (7, 36) for problem in problems)
+
+
+# --- literal sizes at validate -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("-1", "page_size_bytes: '-1' is -1, not a byte count"),
+        ("'1 // 0'", "page_size_bytes: division by zero in '1 // 0'"),
+        ("'block_size - 17'", "page_size_bytes: 'block_size - 17' is -1, not a byte count"),
+        ("\"'x'\"", "page_size_bytes: ''x'' is 'x', not a byte count"),
+    ],
+)
+def test_a_page_size_that_is_no_byte_count_at_any_topology_is_refused_at_validate(value: str, message: str) -> None:
+    line = "      page_size_bytes: "
+    error = only_error(check_text(LAYOUT.replace(line + "4096", line + value), "l.yaml")[1])
+    inside_quotes = value[0] in "'\""
+    assert (error.line, error.column, error.message) == (9, len(line) + 1 + inside_quotes, message)
+
+
+def test_a_field_expression_failing_at_every_topology_is_refused_at_validate() -> None:
+    text = LAYOUT.replace("fields: {num_kv_heads: 1}", "fields: {num_kv_heads: 1, x: {expr: '1 // 0'}}")
+    error = only_error(check_text(text, "l.yaml")[1])
+    assert (error.line, error.message) == (10, "expr: field 'x': division by zero in '1 // 0'")
+
+
+# --- bounded memory ------------------------------------------------------------------------------
+
+MEMORY_LIMIT_MIB = 512
+
+
+def judged_within(text: str, mib: int = MEMORY_LIMIT_MIB, seconds: int = 60) -> list[str]:
+    """The diagnostics ``check_text`` gives ``text`` in a process whose address space is ``mib`` MiB."""
+    code = textwrap.dedent(f"""
+        import resource, sys
+        resource.setrlimit(resource.RLIMIT_AS, ({mib} << 20, {mib} << 20))
+        from kvpolicy.loader import check_text
+        document, problems = check_text(sys.stdin.read(), "p.yaml")
+        for problem in problems:
+            print(problem)
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", code], input=text, capture_output=True, text=True, timeout=seconds, check=False
+    )
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr[-2000:]
+    return result.stdout.splitlines()
+
+
+def test_judging_a_document_fits_in_the_memory_limit_the_tests_below_run_under() -> None:
+    assert judged_within(POLICY_HEAD + "rules: []\n") == []
+
+
+def test_aliases_repeating_a_long_unknown_key_are_refused_before_any_is_judged() -> None:
+    # 2,000 uses of a 200 KB key: each of pydantic's errors would copy it (400 MB, or 4 GB at 20,000).
+    text = POLICY_HEAD + "x: &a\n  ? " + "k" * 200_000 + "\n  : 1\nrules: [" + ", ".join(["*a"] * 2000) + "]\n"
+    (line,) = judged_within(text)
+    rules = text[: text.index("rules: [")].count("\n") + 1
+    at_the_list = f"p.yaml:{rules}:{len('rules: [')}: error: "  # the list repeating the key
+    assert line.startswith(at_the_list + "aliases expand this to more than 1048576 characters") and "KVP003" in line
+
+
+def test_aliases_within_what_the_file_could_hold_written_out_are_read() -> None:
+    text = POLICY_HEAD + "x: &a {k: 1}\nrules: [" + ", ".join(["*a"] * 50) + "]\n"
+    lines = judged_within(text)
+    assert lines[0].startswith("p.yaml:4:1: error: unknown field 'x'")
+    assert "missing required field 'name' [KVP103]" in lines[1]
+
+
+def test_a_layer_range_behind_a_long_name_is_refused_before_a_name_is_made() -> None:
+    layout = LAYOUT.replace('layers: ["l.{0..1}"]', "layers: ['" + "a" * 100_000 + "{0..99999}']")
+    (line,) = judged_within(layout)
+    assert "the layer names expand to 10000500000 characters" in line and "KVP003" in line
+
+
+def test_a_layer_pattern_naming_layers_over_the_length_limit_is_refused_once_before_expanding() -> None:
+    layout = LAYOUT.replace('layers: ["l.{0..1}"]', "layers: ['" + "a" * 1000 + "{0..9}']")
+    error = only_error(check_text(layout, "l.yaml")[1])
+    assert error.message.endswith("expands to names of 1001 characters; at most 1000 are allowed")
+
+
+def test_a_file_of_a_hundred_thousand_errors_is_judged_within_the_limit_and_lists_a_hundred() -> None:
+    layout = "version: 1\nkind: ModelLayout\nmodel: m\ntotal_num_kv_heads: 1\ngroups: [" + ", ".join(["{}"] * 90_000) + "]\n"
+    lines = judged_within(layout, seconds=120)
+    assert len(lines) == MAX_DIAGNOSTICS_PER_FILE + 1
+    hidden = int(lines[-1].split(": error: ")[1].split()[0])
+    assert hidden >= 90_000 - MAX_DIAGNOSTICS_PER_FILE and lines[-1].endswith("fix these first [KVP901]")

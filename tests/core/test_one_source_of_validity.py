@@ -68,6 +68,7 @@ def test_validate_the_models_and_the_schema_agree_on_generated_documents(text: s
     "line, replacement",
     [
         ("version: 1", "version: true"),
+        ("version: 1", "version: 1.0"),
         ("schedule: striped", "schedule: 'on'"),
         ("  steps: 4", "  steps: '4'"),
         ("  steps: 4", "  steps: 4.0"),

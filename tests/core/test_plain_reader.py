@@ -296,3 +296,20 @@ def test_many_questions_about_a_wide_mapping_build_the_maps_once() -> None:
     document, found = loader.check_text(text, "p.yaml")
     assert document is not None and sum(problem.code == "KVP202" for problem in found) == 100  # capped
     same(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        POLICY + "audit: !custom {mode: warn}\n",
+        POLICY + "spec_fields: !!python/tuple [a]\n",
+        POLICY + "spec_fields: !!set {a, b}\n",
+        POLICY + "description: !!binary ZXhhbXBsZQ==\n",
+        "%TAG ! tag:example.com,2000:\n---\n" + POLICY + "audit: !mode {mode: warn}\n",
+        POLICY + "description: !!str 5\naudit: {steps: !!int '4'}\n",
+        POLICY.replace("version: 1", "version: !!float 1"),
+    ],
+    ids=["local-tag-on-mapping", "python-tuple", "set", "binary", "tag-directive", "core-tags", "float-tag"],
+)
+def test_tags_are_honoured_or_refused_alike(text: str) -> None:
+    same(text)
