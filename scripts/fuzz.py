@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A long fuzzing run of the loader, ``kvpolicy validate``, the expression evaluator and key templates.
 
-    .venv/bin/python scripts/fuzz.py [--examples N] [--seed S] [--only TARGET ...]
+    .venv/bin/python scripts/fuzz.py [--examples N] [--seed S] [--only TARGET ...] [--memory-mib M]
 
 The strategies and contracts are the ones ``tests/faults/test_fuzz_loader.py`` runs a few hundred
 times (``tests/faults/fuzz_strategies.py``). ``N`` inputs in total (default 10,000) are split over
@@ -13,6 +13,7 @@ exits 1. Needs the test extra (``hypothesis``), not vLLM or Mooncake.
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import tempfile
 import time
@@ -48,6 +49,14 @@ TARGETS: dict[str, tuple[float, st.SearchStrategy[Any], Callable[[Any], None]]] 
         lambda case: fs.special_file_contract(case[0], case[1], SCRATCH.parent),
     ),
     "cli-flags": (0.5, fs.plan_argvs(), fs.cli_contract),
+    "alias-amplified-documents": (0.5, fs.alias_amplified_documents(), fs.memory_contract),
+    "tagged-documents": (1, fs.tagged_documents(), fs.check_contract),
+    "odd-paths": (
+        0.5,
+        st.tuples(fs.odd_file_names(), fs.raw_files(), st.sampled_from(["text", "json", "github", "sarif"])),
+        lambda case: fs.odd_path_contract(case[0], case[1], case[2], SCRATCH.parent),
+    ),
+    "plan-documents": (0.5, fs.plan_documents(), lambda case: fs.plan_document_contract(case, SCRATCH.parent)),
     "expressions": (2, fs.expressions(), fs.expression_contract),
     "pathological-expressions": (0.5, fs.pathological_expressions(), fs.expression_contract),
     "key-templates": (1, fs.key_templates(), fs.template_contract),
@@ -88,7 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=10_000, help="inputs in total over all targets")
     parser.add_argument("--seed", type=int, help="Hypothesis seed, for a reproducible run")
     parser.add_argument("--only", nargs="+", choices=sorted(TARGETS), help="run these targets only")
+    parser.add_argument(
+        "--memory-mib", type=int, default=4096,
+        help="address space of this process (RLIMIT_AS): an input that needs more fails its target (default 4096)",
+    )
     args = parser.parse_args(argv)
+    # Bounded memory is part of the contract: past the limit an input fails with MemoryError.
+    resource.setrlimit(resource.RLIMIT_AS, (args.memory_mib << 20, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
     global SCRATCH
     scratch = tempfile.TemporaryDirectory(prefix="kvpolicy-fuzz-")

@@ -26,6 +26,7 @@ import io
 import json
 import os
 import re
+import resource
 import signal
 import string
 from collections.abc import Iterator
@@ -36,7 +37,7 @@ import yaml
 from hypothesis import strategies as st
 
 from kvpolicy.app.cli import main as cli_main
-from kvpolicy.diagnostics import MAX_MESSAGE_CHARS, Diagnostic
+from kvpolicy.diagnostics import MAX_MESSAGE_CHARS, Diagnostic, printable_path
 from kvpolicy.expressions import MAX_DEPTH, MAX_INT, MAX_SOURCE_LENGTH, Expression, ExpressionError
 from kvpolicy.keys import KEY_TEMPLATE_FIELDS, KeyContext, parse_prefix, render_prefix
 from kvpolicy.loader import MAX_DIAGNOSTICS_PER_FILE, check_text
@@ -534,9 +535,13 @@ def yaml_snippets(draw: Any) -> str:
 
 
 TAGS = ("!!bool", "!!timestamp", "!!int", "!!float", "!!binary", "!!null", "!!str", "!!map", "!!seq", "!!set",
-        "!!omap", "!!pairs", "!!merge", "!!python/none", "!!python/tuple", "!custom", "!<tag:yaml.org,2002:bool>")
+        "!!omap", "!!pairs", "!!merge", "!!python/none", "!!python/tuple", "!custom", "!<tag:yaml.org,2002:bool>",
+        "!", "!e!x", "!<tag:example.com,2000:x>", "!<tag:yaml.org,2002:str>")
+DIRECTIVES = ("%TAG ! tag:example.com,2000:\n", "%TAG !e! tag:example.com,2000:\n", "%TAG !! tag:example.com,2000:\n",
+              "%TAG ! tag:yaml.org,2002:\n", "%YAML 1.1\n", "%YAML 1.2\n")
+"""Directives that change what a tag means (``%TAG !! ...`` makes ``!!str`` someone else's type)."""
 TEXT_OPERATIONS = ("truncate", "delete-line", "duplicate-line", "swap-lines", "indent", "unicode", "snippet", "value",
-                   "tag")
+                   "tag", "directive")
 
 
 @st.composite
@@ -571,6 +576,8 @@ def mutated_texts(draw: Any) -> str:
             head, sep, tail = lines[line].partition(": ")
             if sep:
                 lines[line] = head + sep + draw(st.sampled_from(TAGS)) + " " + tail
+        elif operation == "directive":  # a directive, then the document it applies to
+            lines.insert(0, draw(st.sampled_from(DIRECTIVES)) + "---\n")
         else:  # replace the value of a "key: value" line
             head, sep, _ = lines[line].partition(": ")
             if sep:
@@ -578,6 +585,121 @@ def mutated_texts(draw: Any) -> str:
                 lines[line] = head + sep + value
         text = "".join(lines)
     return text
+
+
+# --- alias amplification and tags on documents ----------------------------------------------------
+
+AMPLIFIED_PLACES = ("rules", "groups", "layer_kv_heads", "match", "spec", "fields", "top")
+
+
+@st.composite
+def alias_amplified_documents(draw: Any) -> str:
+    """A shipped document with an anchored mapping of unknown (sometimes very long) keys, repeated by
+    aliases where the models list one problem per key and use: in its rules or groups, a rule's
+    ``match``, a spec, a spec's ``fields``; sometimes a list of aliases itself repeated."""
+    name = draw(st.sampled_from(sorted(SEEDS)))
+    keys = draw(st.integers(1, 60))
+    length = draw(st.sampled_from((1, 8, 1_000, 20_000, 200_000)))
+    uses = draw(st.integers(1, 3_000))
+    unknown = "".join(f"  ? {'k' * length}{index}\n  : 1\n" for index in range(keys))
+    place = draw(st.sampled_from(AMPLIFIED_PLACES))
+    item = {
+        "rules": "*a", "groups": "*a", "layer_kv_heads": "*a", "top": "*a",
+        "match": "{name: r, reason: x, replication: sharded, match: *a}",
+        "spec": "{spec: *a, layers: [x]}",
+        "fields": "{spec: {type: FullAttentionSpec, block_size: 16, page_size_bytes: 1, fields: *a}, layers: [x]}",
+    }[place]
+    field = {"match": "rules", "spec": "groups", "fields": "groups", "top": "repeated"}.get(place, place)
+    repeated = "[" + ", ".join([item] * uses) + "]"
+    if draw(st.booleans()):  # one level more: a list of aliases, itself repeated
+        repeated = "&b " + repeated + "\nrepeated_again: [" + ", ".join(["*b"] * draw(st.integers(1, 50))) + "]"
+    text = re.sub(rf"^{field}:.*$", "", SEEDS[name], flags=re.MULTILINE)
+    return text + "anchor: &a\n" + unknown + f"{field}: {repeated}\n"
+
+
+@st.composite
+def tagged_documents(draw: Any) -> str:
+    """A shipped or generated document whose values carry explicit tags (YAML's own, local ones, ones
+    a ``%TAG`` directive names) on scalars, lists and mappings alike."""
+    tree = draw(st.one_of(mutated_trees(), st.sampled_from(sorted(PARSED)).map(lambda name: copy.deepcopy(PARSED[name]))))
+    text = dump(tree, draw)
+    lines = text.splitlines(keepends=True)
+    for _ in range(draw(st.integers(1, 4))):
+        line = draw(st.integers(0, len(lines) - 1))
+        head, sep, tail = lines[line].partition(": ")
+        if sep:
+            lines[line] = head + sep + draw(st.sampled_from(TAGS)) + " " + tail
+        elif lines[line].lstrip().startswith("- "):
+            indent = lines[line][: len(lines[line]) - len(lines[line].lstrip())]
+            lines[line] = indent + "- " + draw(st.sampled_from(TAGS)) + " " + lines[line].lstrip()[2:]
+    prefix = draw(st.sampled_from(("", *DIRECTIVES)))
+    return (prefix + "---\n" if prefix else "") + "".join(lines)
+
+
+def odd_file_names() -> st.SearchStrategy[bytes]:
+    """File names (bytes, as the OS takes them) with line and record separators, escapes, control
+    characters and bytes that are not UTF-8."""
+    odd = st.sampled_from((b"\n", b"\r", b"\r\n", b"\x1e", b"\x1b[2J", b"\x07", b"\t", b"\xff", b"\xc3(",
+                           b"\xe2\x80\xa8", b"\xc2\x85", b"%", b":", b",", b"::error ", b" "))
+    plain = st.text(string.ascii_letters + "._-", min_size=1, max_size=8).map(str.encode)
+    return st.lists(st.one_of(odd, plain), min_size=1, max_size=6).map(lambda parts: b"".join(parts) + b".yaml")
+
+
+def odd_path_contract(name: bytes, content: bytes, output: str, directory: Path) -> None:
+    """``kvpolicy validate`` of a file whose name has odd characters: the contract of
+    :func:`judge_validate` (one located line per problem, the path escaped), and output that a strict
+    UTF-8 stream takes."""
+    path = Path(os.fsdecode(os.fsencode(directory) + b"/" + name))
+    path.write_bytes(content)
+    try:
+        out, err = io.StringIO(), io.StringIO()
+        with time_limit(CHECK_SECONDS, "kvpolicy validate"), contextlib.redirect_stdout(out):
+            with contextlib.redirect_stderr(err):
+                code = cli_main(["validate", "--format", output, str(path)])
+        (out.getvalue() + err.getvalue()).encode("utf-8")  # raises where a lone surrogate would reach a stream
+        judge_validate(code, out.getvalue(), err.getvalue(), output, path)
+    finally:
+        path.unlink()
+
+
+def memory_contract(text: str) -> None:
+    """:func:`check_contract`, and the process's peak memory stays under :data:`MAX_RSS_MIB` (a
+    problem list built for every alias use of a long key took gigabytes)."""
+    check_contract(text)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    assert peak <= MAX_RSS_MIB, f"the process peaked at {peak} MiB"
+
+
+STRICT_POLICY = "version: 1\nkind: ReplicationPolicy\nname: strict\nstrict: true\nrules: []\n"
+
+
+def plan_documents() -> st.SearchStrategy[tuple[str, str, int]]:
+    """(layout text, policy, tp size): generated and mutated layouts, whose expressions may fail at
+    some topology, planned by a shipped policy or a strict one without rules."""
+    layouts = st.one_of(layout_documents().map(lambda data: yaml.dump(data, Dumper=_DUMPER, sort_keys=False)),
+                        mutated_documents())
+    return st.tuples(layouts, st.sampled_from(("default", "vllm-compat", "strict")), st.sampled_from((1, 2, 3, 4, 8)))
+
+
+def plan_document_contract(case: tuple[str, str, int], directory: Path) -> None:
+    """``kvpolicy plan`` of a layout file: :func:`cli_contract`, and each refusal caused by the
+    layout's own expressions (or the policy's ``strict``) located in the file that says it."""
+    text, policy, tp_size = case
+    layout, strict = directory / "layout.yaml", directory / "strict.yaml"
+    layout.write_text(text, encoding="utf-8")
+    strict.write_text(STRICT_POLICY, encoding="utf-8")
+    argv = ["plan", "--policy", str(strict) if policy == "strict" else policy, "--layout", str(layout), "--tp", str(tp_size)]
+    out = cli_contract(argv)
+    for line in out.splitlines():
+        if line.endswith("[KVP301]") and re.search(r"at tp_size \d+, pp_size \d+, pcp_size \d+, dcp_size \d+: "
+                                                   r"(block_size|page_size_bytes|field ')", line):
+            assert line.startswith(f"{layout}:"), line
+        if line.endswith("[KVP301]") and "and the policy is strict" in line:
+            assert line.startswith(f"{strict}:"), line
+
+
+MAX_RSS_MIB = 1536
+"""Peak memory of a fuzzing process (the strategies, Hypothesis and every input judged so far)."""
 
 
 # --- contracts -----------------------------------------------------------------------------------
@@ -705,7 +827,8 @@ def judge_validate(code: int, out: str, err: str, output: str, path: Path) -> No
         levels = {result["level"] for result in run["results"]}
         assert ("error" in levels) == (code == 1), levels
     else:
-        prefix = r"::(error|warning) file=" if output == "github" else re.escape(str(path)) + r":\d+:\d+: (error|warning): "
+        shown = printable_path(str(path))
+        prefix = r"::(error|warning) file=" if output == "github" else re.escape(shown) + r":\d+:\d+: (error|warning): "
         located = re.compile(prefix)
         lines = out.splitlines()
         assert all(located.match(line) for line in lines), out[:2000]
@@ -757,8 +880,9 @@ FLAG_VALUES = st.one_of(
 def plan_argvs(draw: Any) -> list[str]:
     """Command lines for ``plan`` / ``explain`` / ``diff`` with arbitrary sizes and names."""
     command = draw(st.sampled_from(["plan", "explain", "diff"]))
-    names = st.sampled_from(["default", "vllm-compat", "no-dedup", "nosuch", "", "/dev/zero", "../x"])
-    layouts = st.sampled_from(["deepseek-v3", "kimi-linear-48b-a3b", "llama-3.1-70b", "nosuch", "/dev/null"])
+    odd = ["de\x00fault", "x\n.yaml", "policies/\udcff.yaml", "/tmp/\x00.yaml", "\x1b[2J"]
+    names = st.sampled_from(["default", "vllm-compat", "no-dedup", "nosuch", "", "/dev/zero", "../x", *odd])
+    layouts = st.sampled_from(["deepseek-v3", "kimi-linear-48b-a3b", "llama-3.1-70b", "nosuch", "/dev/null", *odd])
     if command == "diff":
         argv = ["diff", draw(names), draw(names), "--layout", draw(layouts), "--tp", draw(FLAG_VALUES)]
     else:
@@ -770,8 +894,9 @@ def plan_argvs(draw: Any) -> list[str]:
     return argv
 
 
-def cli_contract(argv: list[str]) -> None:
-    """Any command line: exit 0, 1 or 2, never a traceback, output bounded, errors on one line each."""
+def cli_contract(argv: list[str]) -> str:
+    """Any command line: exit 0, 1 or 2, never a traceback, output bounded, errors on one line each, all of it
+    printable on a strict UTF-8 stream; returns what it printed on standard output."""
     out, err = io.StringIO(), io.StringIO()
     with time_limit(CHECK_SECONDS * 5, " ".join(argv)), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -786,3 +911,5 @@ def cli_contract(argv: list[str]) -> None:
         for line in out.getvalue().splitlines():
             if "error" in line:
                 assert line.startswith(("error: ", "/")) or re.match(r"[^:]+:\d+:\d+: error: ", line), line
+    text.encode("utf-8")  # raises where a lone surrogate (an undecodable path) would reach a stream
+    return out.getvalue()

@@ -2,7 +2,8 @@
 
 The inputs (mutated shipped policies and example layouts, YAML snippets such as alias bombs and
 explicit tags, generated policy- and layout-shaped documents, adversarial expressions and key
-templates) come from ``fuzz_strategies.py``, which ``scripts/fuzz.py`` runs for much longer.
+templates, documents whose aliases multiply unknown keys, tagged documents and directives, file names
+with control characters, layouts whose expressions fail at some topology) come from ``fuzz_strategies.py``, which ``scripts/fuzz.py`` runs for much longer.
 """
 
 from __future__ import annotations
@@ -87,6 +88,18 @@ def test_many_large_layer_ranges_cannot_expand_a_small_layout_without_bound() ->
     assert any("a layout may have at most" in problem.message for problem in problems)
 
 
+@settings(FUZZ, max_examples=30)
+@given(fs.alias_amplified_documents())
+def test_aliases_multiplying_unknown_keys_are_judged_in_bounded_time_and_memory(text: str) -> None:
+    fs.memory_contract(text)
+
+
+@settings(FUZZ)
+@given(fs.tagged_documents())
+def test_check_text_reports_located_problems_for_tagged_documents(text: str) -> None:
+    fs.check_contract(text)
+
+
 # --- the CLI -------------------------------------------------------------------------------------
 
 
@@ -115,6 +128,24 @@ def test_validate_prints_diagnostics_never_a_traceback(
 @pytest.mark.parametrize("kind", fs.SPECIAL_FILES)
 def test_validate_refuses_every_special_path_with_one_located_error(kind: str, output: str, tmp_path: Path) -> None:
     fs.special_file_contract(kind, output, tmp_path)
+
+
+@settings(
+    FUZZ, max_examples=40, suppress_health_check=[*FUZZ.suppress_health_check, HealthCheck.function_scoped_fixture]
+)
+@given(name=fs.odd_file_names(), content=fs.raw_files(), output=st.sampled_from(["text", "json", "github", "sarif"]))
+def test_validate_keeps_one_line_per_problem_whatever_the_file_is_named(
+    name: bytes, content: bytes, output: str, tmp_path: Path
+) -> None:
+    fs.odd_path_contract(name, content, output, tmp_path)
+
+
+@settings(
+    FUZZ, max_examples=40, suppress_health_check=[*FUZZ.suppress_health_check, HealthCheck.function_scoped_fixture]
+)
+@given(case=fs.plan_documents())
+def test_a_plan_refused_for_what_a_layout_says_points_at_it(case: tuple[str, str, int], tmp_path: Path) -> None:
+    fs.plan_document_contract(case, tmp_path)
 
 
 @settings(FUZZ)
