@@ -76,6 +76,8 @@ class EngineResult:
     """Seconds spent in ``LLM.generate``."""
     wall_s: float
     """Seconds from spawning the child to its exit."""
+    worker_start: str = ""
+    """How the engine's TP workers were started (``fork`` or ``spawn``; ``in-process`` at TP 1)."""
     saves_drained: bool = True
     """Whether the child saw the connector report all its puts done before it exited (with the
     engine core in another process it can only shut down, which waits up to 5 s, and says False)."""
@@ -264,6 +266,7 @@ def serve_once(
     master_metrics_url: str | None = None,
     python_path: Sequence[str | os.PathLike[str]] = (),
     extra_env: Mapping[str, str] | None = None,
+    fork_workers: bool = True,
 ) -> EngineResult:
     """Serve *prompt_token_ids* once in a fresh vLLM engine process and return what it produced.
 
@@ -279,7 +282,11 @@ def serve_once(
     engine a vLLM plugin (an entry point in ``vllm.general_plugins``).
 
     The engine core runs in the child (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); TP>1 adds the ``mp``
-    executor's worker processes, unbound, with ``cores // tp_size`` OpenMP threads each. The child
+    executor's worker processes, unbound, with ``cores // tp_size`` OpenMP threads each. With
+    *fork_workers* (the default) they are forked from the child, which has already imported vLLM,
+    torch and Mooncake: vLLM-CPU's platform forces ``spawn``, where each worker imports all of it again
+    (about 6 of an engine's 18 s on 2 cores). vLLM's own default elsewhere is ``fork``; the servers of
+    :mod:`kvpolicy.harness.server` (``vllm serve``) keep vLLM-CPU's ``spawn``. The child
     steps the engine until the connector's puts are done before it reports, so a following call
     can hit on them.
 
@@ -299,6 +306,7 @@ def serve_once(
         "max_model_len": max_model_len,
         "dtype": dtype,
         "hybrid": hybrid,
+        "fork_workers": fork_workers,
     }
     env = engine_env(tp_size, mooncake_config_path)
     # The engine core runs in the child itself (also at TP>1, where the mp executor still forks
@@ -362,6 +370,7 @@ def serve_once(
         generate_s=float(data["generate_s"]),
         wall_s=wall,
         saves_drained=bool(data.get("saves_drained", False)),
+        worker_start=str(data.get("worker_start", "")),
         traffic=traffic,
         stdout=stdout,
         stderr=stderr,
@@ -399,6 +408,8 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    if spec.get("fork_workers"):
+        _keep_forked_workers()
     tp_size = int(spec["tp_size"])
     hybrid_options: dict[str, Any] = (
         {"enable_prefix_caching": True, "mamba_cache_mode": "align"}
@@ -421,6 +432,7 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         kv_transfer_config=KVTransferConfig(**spec["kv_transfer_config"]),
     )
     startup = time.monotonic() - started
+    worker_start = _worker_start_method(llm)
     try:
         params = SamplingParams(
             temperature=0.0,
@@ -447,10 +459,39 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
             "startup_s": startup,
             "generate_s": generate,
             "saves_drained": drain_saves(llm, float(spec.get("drain_timeout", 60.0))),
+            "worker_start": worker_start,
         }
     except BaseException:
         _shutdown(llm)
         raise
+
+
+def _keep_forked_workers() -> None:
+    """Have vLLM's ``mp`` executor fork its TP workers on CPU.
+
+    vLLM-CPU's ``CpuPlatform.check_and_update_config`` sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn``
+    while the engine's config is built, before the executor reads it; this wraps that method to put
+    ``fork`` back afterwards. The result's ``worker_start`` reports what the executor read, so a vLLM
+    that moves the setting shows up as ``spawn`` there (tests check it) rather than as slow engines.
+    """
+    from vllm.platforms.cpu import CpuPlatform
+
+    platform_config = CpuPlatform.check_and_update_config.__func__
+
+    def then_fork(cls: type, vllm_config: Any) -> None:
+        platform_config(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(then_fork)  # type: ignore[method-assign]
+
+
+def _worker_start_method(llm: Any) -> str:
+    """How the ``mp`` executor started its workers (``fork``/``spawn``), read off their process
+    objects; ``in-process`` at TP 1, where there are none."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    workers = getattr(getattr(core, "model_executor", None), "workers", None) or ()
+    methods = {getattr(getattr(worker, "proc", None), "_start_method", None) for worker in workers}
+    return ",".join(sorted(str(method) for method in methods)) if methods else "in-process"
 
 
 def drain_saves(llm: Any, timeout: float = 60.0) -> bool:

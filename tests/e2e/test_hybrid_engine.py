@@ -252,6 +252,12 @@ def test_default_warm_engine_loads_the_prompt_and_matches_cold(arch: str, defaul
     assert_identical(default_runs.cold.result, default_runs.warm.result)
 
 
+def test_the_harness_forks_the_engines_tp_workers(default_runs: ColdWarm) -> None:
+    # The harness undoes vLLM-CPU's forced spawn to save each engine its workers' imports; a vLLM that
+    # moves the setting would make every engine here slower without failing anything else.
+    assert default_runs.cold.result.worker_start == "fork"
+
+
 def test_default_plan_shares_attention_and_keeps_the_state_per_rank(default_runs: ColdWarm) -> None:
     factors = {tuple(group["spec_types"]): group["factor"] for group in default_runs.cold.plan["groups"]}
     assert factors.pop(("MambaSpec",)) == 1
