@@ -88,7 +88,7 @@ def test_many_large_layer_ranges_cannot_expand_a_small_layout_without_bound() ->
     assert any("a layout may have at most" in problem.message for problem in problems)
 
 
-@settings(FUZZ, max_examples=30)
+@settings(FUZZ)
 @given(fs.alias_amplified_documents())
 def test_aliases_multiplying_unknown_keys_are_judged_in_bounded_time_and_memory(text: str) -> None:
     fs.memory_contract(text)
@@ -131,7 +131,7 @@ def test_validate_refuses_every_special_path_with_one_located_error(kind: str, o
 
 
 @settings(
-    FUZZ, max_examples=40, suppress_health_check=[*FUZZ.suppress_health_check, HealthCheck.function_scoped_fixture]
+    FUZZ, suppress_health_check=[*FUZZ.suppress_health_check, HealthCheck.function_scoped_fixture]
 )
 @given(name=fs.odd_file_names(), content=fs.raw_files(), output=st.sampled_from(["text", "json", "github", "sarif"]))
 def test_validate_keeps_one_line_per_problem_whatever_the_file_is_named(
@@ -141,7 +141,7 @@ def test_validate_keeps_one_line_per_problem_whatever_the_file_is_named(
 
 
 @settings(
-    FUZZ, max_examples=40, suppress_health_check=[*FUZZ.suppress_health_check, HealthCheck.function_scoped_fixture]
+    FUZZ, suppress_health_check=[*FUZZ.suppress_health_check, HealthCheck.function_scoped_fixture]
 )
 @given(case=fs.plan_documents())
 def test_a_plan_refused_for_what_a_layout_says_points_at_it(case: tuple[str, str, int], tmp_path: Path) -> None:
