@@ -214,12 +214,11 @@ def mooncake_master() -> Iterator[MooncakeMaster]:
 
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def clients(mooncake_master: MooncakeMaster) -> Iterator[Any]:
-    """Store clients on the session master, lent to every module's simulated instances
-    (:class:`kvpolicy.mooncake.pool.ClientPool`): opening and closing one costs 1-2 s, so the session's
-    runs share them (a fleet removes its objects before it gives its clients back), and they are
-    closed once, before the master stops."""
+    """Store clients on the session master, lent to this module's simulated instances
+    (:class:`kvpolicy.mooncake.pool.ClientPool`): opening and closing one costs 1-2 s, so a module's
+    runs share them, and they are closed before the master stops."""
     from kvpolicy.mooncake.pool import ClientPool
 
     with ClientPool(mooncake_master) as pool:
