@@ -18,7 +18,7 @@ import contextlib
 import json
 import os
 import random
-import select
+import selectors
 import signal
 import subprocess
 import sys
@@ -188,15 +188,18 @@ class SegmentHolder:
         assert self._process.stdout is not None
         deadline = time.monotonic() + self._start_timeout
         buffered = b""
-        while b"ready" not in buffered:
-            if self._process.poll() is not None or time.monotonic() > deadline:
-                self._log.seek(0)
-                tail = _tail(self._log.read())
-                self.stop()
-                raise RuntimeError(f"the Mooncake segment holder did not start:\n{tail}")
-            readable, _, _ = select.select([self._process.stdout], [], [], 0.1)
-            if readable:
-                buffered += os.read(self._process.stdout.fileno(), 4096)
+        # A selector, not select.select: a test session holding many Mooncake clients has file
+        # descriptors past 1024, which select() refuses.
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._process.stdout, selectors.EVENT_READ)
+            while b"ready" not in buffered:
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    self._log.seek(0)
+                    tail = _tail(self._log.read())
+                    self.stop()
+                    raise RuntimeError(f"the Mooncake segment holder did not start:\n{tail}")
+                if selector.select(0.1):
+                    buffered += os.read(self._process.stdout.fileno(), 4096)
         return self
 
     def stop(self) -> None:

@@ -308,3 +308,27 @@ def test_config_file_is_read_back_by_vllm(tmp_path: Path) -> None:
         "tcp",
         "",
     )
+
+
+def test_a_segment_holder_starts_in_a_process_whose_descriptors_are_past_1024(master: MooncakeMaster) -> None:
+    # select() refuses descriptors from FD_SETSIZE (1024) up, and a test session holding many Mooncake
+    # clients reaches them: the holder's pipe must be waited on another way.
+    import resource
+
+    from kvpolicy.harness.e2e import SegmentHolder
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1200
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        pytest.fail(f"RLIMIT_NOFILE's hard limit {hard} is below {wanted}: this test cannot place a pipe past 1024")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+    fillers: list[int] = []
+    try:
+        while not fillers or fillers[-1] < 1100:
+            fillers.append(os.open(os.devnull, os.O_RDONLY))
+        with SegmentHolder(master.rpc_address, segment_mib=16, buffer_mib=4) as holder:
+            assert holder._process is not None and holder._process.stdout.fileno() > 1024
+    finally:
+        for descriptor in fillers:
+            os.close(descriptor)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
