@@ -4,7 +4,7 @@
 
 Each benchmark starts and stops its own Mooncake master (``bench_plan`` needs none); they run one after
 the other, so none measures while another loads the machine. Default arguments throughout: about
-37 minutes on 2 cores (8 of them the hybrid engines, 11 the fleet across hosts). The exit status is 1
+30 minutes on 2 cores (5 of them the hybrid engines, 6 the fleet across hosts). The exit status is 1
 when a benchmark fails to run (a missed target is reported in its output, not in the exit status).
 """
 
