@@ -237,13 +237,19 @@ def test_a_vllm_host_killed_mid_save_leaves_the_other_serving(
     for sender in senders:
         sender.start()
     # Killed while it generates (and saves): not before its requests arrived, not after they finished.
-    assert wait_until(lambda: metric_value(server_a.metrics(), "vllm:num_requests_running") >= 1, timeout=60, interval=0.1)
+    # The running gauge keeps its last value once A is idle, so it is read only while no answer is back.
+    def generating() -> bool:
+        return not answers and metric_value(server_a.metrics(), "vllm:num_requests_running") >= 1
+
+    started = time.monotonic()
+    assert wait_until(generating, timeout=60, interval=0.1), f"A answered before it could be killed: {answers}"
     fleet["vllma"].kill_all()
+    print(f"A killed {time.monotonic() - started:.1f} s after its {len(SAVING)} requests were sent")
     for sender in senders:
         sender.join(150)
     assert wait_until(lambda: fleet["vllma"].pids() == [], timeout=10)
     server_a.stop()  # reaps the server process
-    # The requests A still had running (240 tokens each) failed at their clients: A was gone.
+    # The requests A still had running (300 tokens each) failed at their clients: A was gone.
     assert any(isinstance(answer, Exception) for answer in answers), answers
     # B keeps serving, right: what A saved whole is a hit, what it did not is a miss.
     served = [server_b.complete(prompt) for prompt in REUSED + SAVING]
@@ -255,6 +261,6 @@ def test_a_vllm_host_killed_mid_save_leaves_the_other_serving(
 
 def _try(server: OpenAIServer, prompt: list[int]) -> object:
     try:
-        return server.complete(prompt, max_tokens=240, timeout=60)
+        return server.complete(prompt, max_tokens=300, timeout=60)
     except Exception as error:  # noqa: BLE001 - the server is being killed
         return error
