@@ -13,6 +13,18 @@ MAX_MESSAGE_CHARS = 500
 
 
 @dataclass(frozen=True)
+class Example:
+    """A command that reports one check: the files it reads, written into an empty directory, and
+    the ``kvpolicy`` arguments run there. Shown by ``kvpolicy rule`` and the documentation, and run by
+    the tests, so an example that stops producing its code fails them."""
+
+    files: tuple[tuple[str, str], ...]
+    """(file name, text) of each file the command reads."""
+    argv: tuple[str, ...]
+    """The arguments after ``kvpolicy``; file names are relative to the directory the files are in."""
+
+
+@dataclass(frozen=True)
 class Check:
     """One kind of problem ``kvpolicy validate`` reports, under a stable code."""
 
@@ -24,39 +36,199 @@ class Check:
     """An error makes the document unusable; a warning is advice (``--warnings-as-errors`` promotes it)."""
     summary: str
     """What the check finds, in one sentence."""
+    explanation: str
+    """Why it matters and how to fix it: what ``kvpolicy rule CODE`` and the documentation print."""
+    example: Example
+    """A command that reports this check."""
+
+
+_POLICY_HEAD = "version: 1\nkind: ReplicationPolicy\nname: my-policy\n"
+_LAYOUT_HEAD = "version: 1\nkind: ModelLayout\nmodel: my-model\ntotal_num_kv_heads: 8\ngroups:\n"
+_ATTENTION_SPEC = "{type: FullAttentionSpec, bases: [AttentionSpec, KVCacheSpec], block_size: 16, page_size_bytes: 65536}"
+
+
+def _validate(text: str, name: str = "policy.yaml") -> Example:
+    return Example(files=((name, text),), argv=("validate", name))
 
 
 CHECKS: tuple[Check, ...] = (
-    Check("KVP001", "unreadable-file", "error",
-          "The path is not a regular file that can be read, within the size limit, as UTF-8 text."),
-    Check("KVP002", "yaml-syntax", "error",
-          "The text is not exactly one well-formed YAML document of plain values (control characters, bad "
-          "indentation, '---', a tag such as !!binary or !custom)."),
-    Check("KVP003", "too-large", "error",
-          "The document exceeds a bound: nodes, characters once aliases are expanded, layer names, an expression's "
-          "size or a value's magnitude."),
-    Check("KVP004", "duplicate-key", "error", "A mapping repeats a key (YAML loaders silently keep one)."),
-    Check("KVP101", "document-kind", "error",
-          "The top level is not a mapping, or 'kind' is missing, unknown or not what the command expects."),
-    Check("KVP102", "unknown-field", "error", "A field the format does not have, typos included."),
-    Check("KVP103", "missing-field", "error", "A required field is absent."),
-    Check("KVP104", "invalid-value", "error",
-          "A value of the wrong type, outside its range or pattern, or inconsistent with another field."),
-    Check("KVP105", "invalid-expression", "error",
-          "An expression that does not parse, uses syntax outside the sandbox, or reads an unknown variable."),
-    Check("KVP106", "duplicate-layer", "error", "A layer listed in more than one group."),
-    Check("KVP201", "unknown-spec-class", "warning", "A rule matches a spec class vLLM 0.32 does not define."),
-    Check("KVP202", "unknown-spec-field", "warning", "A rule matches a field no known spec class has."),
-    Check("KVP203", "unreachable-rule", "warning", "An earlier rule matches everything this rule matches."),
-    Check("KVP204", "unexpected-bases", "warning", "A spec's base classes differ from vLLM 0.32's for that class."),
-    Check("KVP205", "router-unreadable-keys", "warning",
-          "Routers reading vLLM store keys (Mooncake Conductor's grammar) would not read the key template's keys as the "
-          "key contract states them."),
-    Check("KVP301", "plan-refused", "error",
-          "The engine cannot prove a plan consistent for this layout and topology (or vLLM refuses the topology)."),
-    Check("KVP901", "too-many-problems", "error", "More problems than are listed for one file; fix these first."),
+    Check(
+        "KVP001", "unreadable-file", "error",
+        "The path is not a regular file that can be read, within the size limit, as UTF-8 text.",
+        "kvpolicy opens only regular files (a directory, FIFO, socket or device is refused before it is read, so "
+        "nothing blocks or streams), of at most 1 MiB, decoded as UTF-8. A policy named on the command line that is "
+        "neither a file nor a shipped policy's name is reported here too, with the closest shipped name. Fix the "
+        "path, or save the file as UTF-8.",
+        Example(files=(("policy.yaml", _POLICY_HEAD + "rules: []\n"),), argv=("validate", "polcy.yaml")),
+    ),
+    Check(
+        "KVP002", "yaml-syntax", "error",
+        "The text is not exactly one well-formed YAML document of plain values (control characters, bad "
+        "indentation, '---', a tag such as !!binary or !custom).",
+        "A policy or layout is one YAML document of strings, numbers, booleans, nulls, lists and mappings. A tag "
+        "that names a core type is honoured (`!!str 1` is the string \"1\"); any other tag (`!!binary`, `!!set`, "
+        "`!!python/...`, a local `!tag`) is refused where it stands, as are merge keys (`<<`), a second document "
+        "after `---` and an empty file. Write the value out plainly.",
+        _validate(_POLICY_HEAD + "description: !!binary aGVsbG8=\nrules: []\n"),
+    ),
+    Check(
+        "KVP003", "too-large", "error",
+        "The document exceeds a bound: nodes, characters once aliases are expanded, layer names, an expression's "
+        "size or a value's magnitude.",
+        "Inputs are bounded so that any file is judged in bounded time and memory: at most 1 MiB and 100,000 YAML "
+        "nodes, at most 1 MiB of keys and values once aliases are expanded, layer names of at most 1,000 characters "
+        "each and 32 MiB in all, expressions of at most 1,000 characters and 32 levels of nesting, integers of at "
+        "most 2**63 - 1. Split the document or write smaller values.",
+        _validate(_POLICY_HEAD + "rules: []\naudit: {mode: warn, steps: 99999999999999999999}\n"),
+    ),
+    Check(
+        "KVP004", "duplicate-key", "error", "A mapping repeats a key (YAML loaders silently keep one).",
+        "Most YAML loaders keep the last of two equal keys without a word, so the file would not mean what one of "
+        "its lines says. The message names the line of the first one; remove one of them.",
+        _validate(_POLICY_HEAD + "rules: []\nname: other-name\n"),
+    ),
+    Check(
+        "KVP101", "document-kind", "error",
+        "The top level is not a mapping, or 'kind' is missing, unknown or not what the command expects.",
+        "Every document says what it is: `kind: ReplicationPolicy` for a policy, `kind: ModelLayout` for a layout, "
+        "beside `version: 1`. The rest is checked as the kind its content suggests, so one run reports every "
+        "problem. `kvpolicy plan --policy` refuses a layout and `--layout` a policy.",
+        _validate("version: 1\nname: my-policy\nrules: []\n"),
+    ),
+    Check(
+        "KVP102", "unknown-field", "error", "A field the format does not have, typos included.",
+        "Every mapping of a policy or layout has a fixed set of fields (the format references list them); an "
+        "unknown one is a typo more often than not, and ignoring it would silently drop what it meant. The message "
+        "suggests the closest field, or lists the allowed ones.",
+        _validate(
+            _POLICY_HEAD + "rules:\n  - name: state\n    reason: Recurrent state is split over the ranks.\n"
+            "    match: {spec: MambaSpec}\n    replicaton: sharded\n"
+        ),
+    ),
+    Check(
+        "KVP103", "missing-field", "error", "A required field is absent.",
+        "Some fields have no default: a document's `version`, `kind` and `name` (a layout's `model`, "
+        "`total_num_kv_heads` and `groups`), a rule's `name` and `reason`. A rule must say why it holds, so that "
+        "the plan and the audit's messages can quote it. Add the field.",
+        _validate(_POLICY_HEAD + "rules:\n  - name: state\n    match: {spec: MambaSpec}\n    replication: sharded\n"),
+    ),
+    Check(
+        "KVP104", "invalid-value", "error",
+        "A value of the wrong type, outside its range or pattern, or inconsistent with another field.",
+        "Types are what they are written as (`1` is an integer, `\"1\"` a string, `1.0` a float, which no integer "
+        "field accepts), ranges and patterns are the format's (see the references), and some fields exclude each "
+        "other (a rule has exactly one of `replication`, `factor` and `shards`). The message says what is expected.",
+        _validate(_POLICY_HEAD + "rules: []\naudit: {mode: warn, steps: -1}\n"),
+    ),
+    Check(
+        "KVP105", "invalid-expression", "error",
+        "An expression that does not parse, uses syntax outside the sandbox, or reads an unknown variable.",
+        "`when`, `factor`, `shards`, a layout's `block_size`, `page_size_bytes` and `{expr: ...}` fields are "
+        "expressions: integers, strings, booleans, None, arithmetic, comparisons, `and`/`or`/`not`, `a if c else "
+        "b`, `min`, `max`, `cdiv` and the topology and spec variables. They are parsed with `ast` and walked by a "
+        "whitelist evaluator, never `eval`; anything else is refused at its column, an unknown variable with the "
+        "closest known one.",
+        _validate(
+            _POLICY_HEAD + "rules:\n  - name: kv-heads\n    reason: Ranks past the KV-head count repeat heads.\n"
+            "    match: {spec: AttentionSpec}\n    factor: max(1, tp_size // total_num_kv_head)\n"
+        ),
+    ),
+    Check(
+        "KVP106", "duplicate-layer", "error", "A layer listed in more than one group.",
+        "vLLM puts each layer in one KV-cache group; a layout listing a layer twice (often through overlapping "
+        "`{a..b}` ranges) describes no model vLLM builds. The same holds for `layer_kv_heads`. Remove the layer "
+        "from one group.",
+        _validate(
+            _LAYOUT_HEAD + f"  - spec: {_ATTENTION_SPEC}\n    layers: \"model.layers.{{0..3}}.self_attn.attn\"\n"
+            f"  - spec: {_ATTENTION_SPEC}\n    layers: \"model.layers.3.self_attn.attn\"\n",
+            "layout.yaml",
+        ),
+    ),
+    Check(
+        "KVP201", "unknown-spec-class", "warning", "A rule matches a spec class vLLM 0.32 does not define.",
+        "`match.spec` names vLLM's KV-cache spec classes (or their base classes). A name vLLM 0.32 does not define "
+        "is a typo, or a class of a plugin or a later vLLM: the rule then matches nothing on this vLLM. Fix the "
+        "name, or `--ignore KVP201` for a plugin's class.",
+        _validate(
+            _POLICY_HEAD + "rules:\n  - name: state\n    reason: Recurrent state is split over the ranks.\n"
+            "    match: {spec: MambaSpc}\n    replication: sharded\n"
+        ),
+    ),
+    Check(
+        "KVP202", "unknown-spec-field", "warning", "A rule matches a field no known spec class has.",
+        "`match.fields` compares a spec's fields; a field no vLLM 0.32 spec class has never matches, so the rule is "
+        "dead. Fix the name, or declare a plugin's field in the policy's `spec_fields:`.",
+        _validate(
+            _POLICY_HEAD + "rules:\n  - name: replicated-state\n    reason: vLLM marks this state identical on every rank.\n"
+            "    match: {spec: MambaSpec, fields: {tp_replicatd: true}}\n    replication: replicated\n"
+        ),
+    ),
+    Check(
+        "KVP203", "unreachable-rule", "warning", "An earlier rule matches everything this rule matches.",
+        "Rules are tried in order and the first match wins, so a rule after a broader one never applies: here "
+        "every `MLAAttentionSpec` is an `AttentionSpec`. Move the narrower rule up, or remove it.",
+        _validate(
+            _POLICY_HEAD + "rules:\n  - name: attention\n    reason: Heads are split over the ranks.\n"
+            "    match: {spec: AttentionSpec}\n    replication: sharded\n"
+            "  - name: mla-latent\n    reason: The MLA latent cache has no head dimension.\n"
+            "    match: {spec: MLAAttentionSpec}\n    replication: replicated\n"
+        ),
+    ),
+    Check(
+        "KVP204", "unexpected-bases", "warning", "A spec's base classes differ from vLLM 0.32's for that class.",
+        "Rules match a spec by its class or any of its base classes, so a layout whose bases differ from vLLM's "
+        "would match rules vLLM's real spec does not, or miss rules it does. The message gives vLLM 0.32's bases; "
+        "write those (a layout the connector captured has them right).",
+        _validate(
+            _LAYOUT_HEAD + "  - spec: {type: FullAttentionSpec, bases: [KVCacheSpec], block_size: 16, "
+            "page_size_bytes: 65536}\n    layers: \"model.layers.{0..3}.self_attn.attn\"\n",
+            "layout.yaml",
+        ),
+    ),
+    Check(
+        "KVP205", "router-unreadable-keys", "warning",
+        "Routers reading vLLM store keys (Mooncake Conductor's grammar) would not read the key template's keys as the "
+        "key contract states them.",
+        "Routers find where a prefix lives by parsing store keys. The check runs the template's keys through a port "
+        "of Mooncake Conductor's parser and warns, at the field at fault, of keys it refuses, a field it reads in "
+        "another's place, a rank or group field in the namespace (everything before `@tp_rank:`), a namespace "
+        "without the model, and, under an audit, a template without `{fingerprint}` (a demoted group's keys would "
+        "end in `@demoted:...`, which Conductor refuses). The shipped templates pass.",
+        _validate(
+            _POLICY_HEAD + "key:\n  template: \"{cache_prefix}{model}@g{group}@plan:{fingerprint}@tp_rank:{shard}"
+            "@pcp{pcp_rank}@dcp{dcp_rank}@pp_rank:{pp_rank}\"\nrules: []\n"
+        ),
+    ),
+    Check(
+        "KVP301", "plan-refused", "error",
+        "The engine cannot prove a plan consistent for this layout and topology (or vLLM refuses the topology).",
+        "`plan`, `explain`, `keys` and the connector refuse a plan they cannot prove safe: a `strict: true` policy "
+        "meeting a spec no rule matches, a factor that does not divide the ranks, an expression that fails at this "
+        "topology, sizes vLLM would refuse together. Every reason is listed, each naming its group, layers and "
+        "rule, located at the policy's or layout's line where one is at fault.",
+        Example(
+            files=((
+                "policy.yaml",
+                "version: 1\nkind: ReplicationPolicy\nname: mla-only\nstrict: true\nrules:\n  - name: mla-latent\n"
+                "    reason: The MLA latent cache has no head dimension.\n    match: {spec: MLAAttentionSpec}\n"
+                "    replication: replicated\n",
+            ),),
+            argv=("plan", "--policy", "policy.yaml", "--layout", "llama-3.1-70b", "--tp", "2"),
+        ),
+    ),
+    Check(
+        "KVP901", "too-many-problems", "error", "More problems than are listed for one file; fix these first.",
+        "At most 100 problems are listed per file, and only those are described, so a file of 90,000 errors is "
+        "still judged in about 1.5 s; the last line counts the rest. It is an error when the document is invalid "
+        "and a warning when only warnings were cut. Fix the problems listed and run again.",
+        _validate(
+            _POLICY_HEAD + "rules:\n  - {name: r, reason: x, replication: sharded,\n"
+            + "".join("     " + ", ".join(f"k{row * 20 + column}: 0" for column in range(20)) + ",\n" for row in range(5))
+            + "     k100: 0}\n"
+        ),
+    ),
 )
-"""Every check, by code: the table the README shows and the SARIF ``rules``."""
+"""Every check, by code: the documentation's diagnostics reference, ``kvpolicy rule`` and the SARIF ``rules``."""
 
 CHECKS_BY_CODE: dict[str, Check] = {check.code: check for check in CHECKS}
 CHECKS_BY_NAME: dict[str, Check] = {check.name: check for check in CHECKS}

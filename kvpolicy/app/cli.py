@@ -1,4 +1,4 @@
-"""The ``kvpolicy`` command: validate, schema, plan, explain, keys, diff, vllm-config, audit, doctor, demo.
+"""The ``kvpolicy`` command: validate, rule, schema, plan, explain, keys, diff, vllm-config, audit, doctor, demo.
 
 Exit codes: 0 success; 1 the input is invalid (every problem printed as ``PATH:LINE:COL: error: ...``)
 or a check failed; 2 the command line is wrong.
@@ -16,6 +16,7 @@ from typing import Any
 
 from kvpolicy import schema
 from kvpolicy.app.diagnostic_formats import FORMATS, FileResult, Selection, parse_codes, render
+from kvpolicy.app.rule import run_rule
 from kvpolicy.app.topology_flags import add_topology_flag, add_topology_flags, topology_from_args
 from kvpolicy.contract import KeyContract, key_contract
 from kvpolicy.diagnostics import DocumentError, PlanError, printable_path
@@ -417,6 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--warnings-as-errors", action="store_true", help="count the warnings reported as errors (exit 1)"
     )
     validate.set_defaults(run=_validate)
+
+    rule = commands.add_parser("rule", help="explain a diagnostic code, with an example that reports it")
+    rule.add_argument("code", nargs="?", metavar="CODE", help="a code (KVP203) or a check's name (unreachable-rule)")
+    rule.add_argument("--all", action="store_true", help="list every code instead")
+    rule.set_defaults(run=run_rule)
 
     schema_command = commands.add_parser("schema", help="print the JSON Schemas, or check/write schemas/")
     schema_command.add_argument("--check", action="store_true", help="exit 1 when schemas/ is stale")

@@ -1,0 +1,439 @@
+"""The documentation's references, computed from the code they describe, so they cannot drift from it.
+
+Each generator returns Markdown for one marker of the documentation site (``<!-- kvpolicy-reference:
+NAME -->`` in a page under ``docs/``; ``docs/hooks.py`` calls :func:`expand` while MkDocs builds):
+
+- ``policy-format`` / ``layout-format``: the documents' fields, from the JSON Schemas of the pydantic
+  models (their attribute docstrings: the same text as ``schemas/``);
+- ``diagnostics``: every check of :mod:`kvpolicy.diagnostics` with its explanation and its example,
+  run through the CLI (``kvpolicy rule CODE`` prints the same, :func:`rule_text`);
+- ``cli``: every command and flag, from the argparse parser of :mod:`kvpolicy.app.cli`;
+- ``settings``: the connector's ``kv_connector_extra_config`` keys, from :class:`KVPolicySettings`;
+- ``metrics``: the series kvpolicy adds to vLLM's ``/metrics`` and its connector-stats operations, read
+  from the source of the modules that register them (which import vLLM; reading their source keeps
+  this module, and the site's build, free of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import io
+import json
+import re
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from kvpolicy import schema
+from kvpolicy.diagnostics import CHECKS, CHECKS_BY_CODE, CHECKS_BY_NAME, Check, Example
+from kvpolicy.models import Layout, Policy
+from kvpolicy.settings import KVPolicySettings
+
+MARKER = re.compile(r"<!-- kvpolicy-reference: ([a-z-]+) -->")
+"""Where a page wants a generated reference."""
+
+PACKAGE = Path(__file__).resolve().parents[1]
+
+# --- diagnostics ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExampleRun:
+    """What ``kvpolicy`` printed for a check's example (stdout and stderr, in order) and its exit code."""
+
+    command: str
+    """The command line as a user types it: ``kvpolicy ARGS``."""
+    exit_code: int
+    output: str
+
+
+def run_example(example: Example) -> ExampleRun:
+    """Run ``example`` with the CLI in-process, its files in a fresh directory; paths in the output
+    are shown relative to that directory, as if the user had run it there."""
+    from kvpolicy.app.cli import main  # the CLI imports this module for ``kvpolicy rule``
+
+    with tempfile.TemporaryDirectory(prefix="kvpolicy-example-") as directory:
+        root = Path(directory).resolve()
+        for name, text in example.files:
+            (root / name).write_text(text, encoding="utf-8")
+        names = {name for name, _ in example.files}
+        argv = [
+            str(root / argument) if argument in names or argument.endswith((".yaml", ".yml")) else argument
+            for argument in example.argv
+        ]
+        captured = io.StringIO()
+        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+            try:
+                code = main(argv)
+            except SystemExit as exit_:  # a usage error
+                code = int(exit_.code or 0)
+        output = captured.getvalue().replace(f"{root}/", "")
+    return ExampleRun(" ".join(("kvpolicy", *example.argv)), code, output)
+
+
+SHOWN_LINES = 12
+"""An example's output longer than this is shown as its first and last lines around a ``...`` line."""
+
+
+def shown_output(output: str) -> str:
+    """``output`` as the reference shows it: whole, or cut in the middle to a ``...`` line."""
+    lines = output.rstrip("\n").splitlines()
+    if len(lines) > SHOWN_LINES:
+        lines = [*lines[:3], "...", *lines[-2:]]
+    return "\n".join(lines)
+
+
+def find_check(code_or_name: str) -> Check | None:
+    """The check of a code (any case) or a name."""
+    return CHECKS_BY_CODE.get(code_or_name.upper()) or CHECKS_BY_NAME.get(code_or_name.lower())
+
+
+def rule_text(check: Check) -> str:
+    """``kvpolicy rule CODE``: the check's summary, explanation and example with what it prints."""
+    run = run_example(check.example)
+    lines = [f"{check.code} {check.name} ({check.severity})", "", check.summary, "", check.explanation, ""]
+    for name, text in check.example.files:
+        lines += [f"Example, {name}:", *(f"    {line}" for line in text.splitlines()), ""]
+    lines += [f"$ {run.command}", shown_output(run.output)]
+    return "\n".join(lines) + "\n"
+
+
+def rule_list() -> str:
+    """``kvpolicy rule --all``: one line per check."""
+    width = max(len(check.name) for check in CHECKS)
+    return "".join(f"{check.code}  {check.name:<{width}}  {check.severity:<7}  {check.summary}\n" for check in CHECKS)
+
+
+def diagnostics_markdown() -> str:
+    """A table of every check, then each one's explanation and example with its real output."""
+    out = [
+        "| code | name | severity | what it finds |",
+        "|---|---|---|---|",
+        *(
+            f"| [`{check.code}`](#{check.code.lower()}) | `{check.name}` | {check.severity} | {_cell(check.summary)} |"
+            for check in CHECKS
+        ),
+        "",
+    ]
+    for check in CHECKS:
+        run = run_example(check.example)
+        out += [
+            f"### {check.code} `{check.name}` {{#{check.code.lower()}}}",
+            "",
+            f"**{check.severity}**: {check.summary}",
+            "",
+            check.explanation,
+            "",
+        ]
+        for name, text in check.example.files:
+            out += [f'```yaml title="{name}"', text.rstrip("\n"), "```", ""]
+        out += ["```console", f"$ {run.command}", shown_output(run.output), "```", ""]
+    return "\n".join(out)
+
+
+# --- document formats ---------------------------------------------------------------------------------
+
+
+def _markdown_text(text: str) -> str:
+    """A docstring as Markdown: reStructuredText's ``literal`` and :role:`name` become code spans."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", text)
+    return text.replace("``", "`")
+
+
+def _cell(text: str) -> str:
+    return " ".join(_markdown_text(text).split()).replace("|", "\\|")
+
+
+def _type(node: Mapping[str, Any]) -> str:
+    """A JSON Schema node's type in words."""
+    if "$ref" in node:
+        name = node["$ref"].rsplit("/", 1)[1]
+        return f"[{name}](#{name.lower()})"
+    if "const" in node:
+        return f"`{json.dumps(node['const'])}`"
+    if "enum" in node:
+        return " \\| ".join(f"`{json.dumps(value)}`" for value in node["enum"])
+    if "anyOf" in node:
+        return " or ".join(dict.fromkeys(_type(option) for option in node["anyOf"]))
+    kind = node.get("type")
+    if kind == "array":
+        items = node.get("items")
+        return f"list of {_type(items)}" if items else "list"
+    if kind == "object":
+        values = node.get("additionalProperties")
+        return f"mapping of {_type(values)}" if isinstance(values, Mapping) and values else "mapping"
+    return {"integer": "integer", "string": "string", "boolean": "boolean", "null": "null", "number": "number"}.get(
+        str(kind), "any"
+    )
+
+
+_BOUNDS = (
+    ("minimum", ">= {}"), ("exclusiveMinimum", "> {}"), ("maximum", "<= {}"), ("exclusiveMaximum", "< {}"),
+    ("minLength", "at least {} characters"), ("maxLength", "at most {} characters"),
+    ("minItems", "at least {} items"), ("maxItems", "at most {} items"), ("pattern", "matches `{}`"),
+)
+
+
+def _constraints(node: Mapping[str, Any]) -> str:
+    found = [template.format(node[key]) for key, template in _BOUNDS if key in node]
+    for option in node.get("anyOf", ()):
+        found += [template.format(option[key]) for key, template in _BOUNDS if key in option]
+    return "; ".join(dict.fromkeys(found))
+
+
+def _default(name: str, node: Mapping[str, Any], required: set[str]) -> str:
+    if name in required:
+        return "required"
+    if "default" not in node:
+        return ""
+    return f"`{json.dumps(node['default'])}`"
+
+
+def _model_section(title: str, node: Mapping[str, Any], level: str) -> list[str]:
+    out = [f"{level} {title} {{#{title.lower()}}}", ""]
+    if node.get("description"):
+        out += [_markdown_text(" ".join(node["description"].split())), ""]
+    if "enum" in node:
+        out += ["One of: " + ", ".join(f"`{value}`" for value in node["enum"]) + ".", ""]
+        return out
+    properties = node.get("properties", {})
+    if not properties:
+        return out
+    required = set(node.get("required", ()))
+    out += ["| field | type | default | constraints | meaning |", "|---|---|---|---|---|"]
+    for name, field in properties.items():
+        out.append(
+            f"| `{name}` | {_type(field)} | {_default(name, field, required)} | {_cell(_constraints(field))} "
+            f"| {_cell(field.get('description', ''))} |"
+        )
+    return [*out, ""]
+
+
+def format_markdown(model: type[BaseModel]) -> str:
+    """Every field of ``model`` and of the models and enumerations it uses, from its JSON Schema."""
+    document = schema.json_schema(model)
+    out = _model_section(document["title"], document, "##")
+    for name, node in document.get("$defs", {}).items():
+        out += _model_section(name, node, "###")
+    return "\n".join(out)
+
+
+# --- the command line ---------------------------------------------------------------------------------
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, argparse.ArgumentParser]]:
+    for action in parser._actions:  # argparse has no public accessor for its subcommands
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
+            for name, command in action.choices.items():
+                yield name, helps.get(name, ""), command
+
+
+def _usage(command: argparse.ArgumentParser) -> str:
+    formatter = argparse.HelpFormatter(prog=command.prog, width=100)
+    formatter.add_usage(command.usage, command._actions, command._mutually_exclusive_groups, prefix="")
+    return formatter.format_help().strip()
+
+
+def _argument_row(action: argparse.Action) -> str:
+    if action.option_strings:
+        names = ", ".join(f"`{option}`" for option in action.option_strings)
+        if action.nargs != 0:
+            metavar = action.metavar or (action.dest.upper() if action.choices is None else None)
+            if metavar is not None:
+                names += f" `{metavar}`"
+    else:
+        names = f"`{action.metavar or action.dest}`"
+    values = ", ".join(f"`{choice}`" for choice in action.choices) if action.choices else ""
+    default = action.default
+    shown = "" if default in (None, False, (), argparse.SUPPRESS) or action.required else f"`{default}`"
+    if action.required and action.option_strings:
+        shown = "required"
+    help_text = "" if action.help in (None, argparse.SUPPRESS) else str(action.help)
+    return f"| {names} | {values} | {shown} | {_cell(help_text)} |"
+
+
+def cli_markdown(parser: argparse.ArgumentParser | None = None) -> str:
+    """Every subcommand of ``kvpolicy``: its usage and a row per argument (hidden ones left out)."""
+    if parser is None:
+        from kvpolicy.app.cli import build_parser
+
+        parser = build_parser()
+    out = ["| command | what it does |", "|---|---|"]
+    commands = list(_subcommands(parser))
+    out += [f"| [`kvpolicy {name}`](#kvpolicy-{name}) | {_cell(summary)} |" for name, summary, _ in commands]
+    out.append("")
+    for name, summary, command in commands:
+        out += [f"### kvpolicy {name} {{#kvpolicy-{name}}}", "", _markdown_text(summary[:1].upper() + summary[1:]) + ".", ""]
+        out += ["```text", _usage(command), "```", ""]
+        rows = [
+            _argument_row(action)
+            for action in command._actions
+            if not isinstance(action, argparse._HelpAction) and action.help != argparse.SUPPRESS
+        ]
+        if rows:
+            out += ["| argument | values | default | meaning |", "|---|---|---|---|", *rows, ""]
+    return "\n".join(out)
+
+
+def parser_arguments(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """Per subcommand, the option strings (or positional names) of its documented arguments."""
+    return {
+        name: [
+            option
+            for action in command._actions
+            if not isinstance(action, argparse._HelpAction) and action.help != argparse.SUPPRESS
+            for option in (action.option_strings or [action.metavar or action.dest])
+        ]
+        for name, _, command in _subcommands(parser)
+    }
+
+
+# --- the connector's settings ---------------------------------------------------------------------------
+
+
+def settings_markdown() -> str:
+    """A row per key of ``kv_connector_extra_config`` that the connector reads, from its model."""
+    document = schema.json_schema(KVPolicySettings)
+    required = {"kvpolicy"}  # the connector needs it; the model allows it unset for standalone workers
+    out = ["| key | type | default | constraints | meaning |", "|---|---|---|---|---|"]
+    for name, field in document["properties"].items():
+        default = "required" if name in required else (
+            "unset" if field.get("default", None) is None else f"`{json.dumps(field['default'])}`"
+        )
+        out.append(
+            f"| `{name}` | {_type(field).replace('](#', '](#settings-')} | {default} | {_cell(_constraints(field))} "
+            f"| {_cell(field.get('description', ''))} |"
+        )
+    out.append("")
+    for name, node in document.get("$defs", {}).items():
+        section = _model_section(name, node, "###")
+        section[0] = f"### {name} {{#settings-{name.lower()}}}"
+        out += section
+    return "\n".join(out)
+
+
+# --- metrics ------------------------------------------------------------------------------------------
+
+
+def _module_tree(relative: str) -> ast.Module:
+    return ast.parse((PACKAGE / relative).read_text(encoding="utf-8"))
+
+
+def _documented_constants(tree: ast.Module) -> Iterator[tuple[str, Any, str]]:
+    """(name, literal value, docstring) of each module-level assignment followed by a docstring."""
+    body = tree.body
+    for statement, following in zip(body, body[1:], strict=False):
+        if (
+            isinstance(statement, (ast.Assign, ast.AnnAssign))
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            target = statement.targets[0] if isinstance(statement, ast.Assign) else statement.target
+            if isinstance(target, ast.Name) and statement.value is not None:
+                with contextlib.suppress(ValueError):
+                    yield target.id, ast.literal_eval(statement.value), following.value.value
+
+
+@dataclass(frozen=True)
+class MetricsReference:
+    """What the connector exports, as its source states it."""
+
+    series: Mapping[str, str]
+    """``kvpolicy.vllm.metrics.METRICS``: every series kvpolicy adds to ``/metrics``, with its help."""
+    operations: Mapping[str, str]
+    """Connector-stats operations kvpolicy records beside the store's own: name -> what it records."""
+    reduced: tuple[str, ...]
+    """The keys :meth:`KVPolicyConnectorStats.reduce` adds to vLLM's logged connector stats."""
+
+
+def metrics_reference() -> MetricsReference:
+    """Read from ``kvpolicy/vllm/metrics.py`` (the series, the reduced stats), ``kvpolicy/vllm/audit.py``
+    (documented ``*_OPERATION`` constants) and ``kvpolicy/vllm/lookup.py`` (operations it records)."""
+    metrics = _module_tree("vllm/metrics.py")
+    series = next(value for name, value, _ in _documented_constants(metrics) if name == "METRICS")
+    reduced = tuple(
+        node.slice.value
+        for node in ast.walk(metrics)
+        if isinstance(node, ast.Subscript)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "reduced"
+        and isinstance(node.slice, ast.Constant)
+    )
+    operations = {
+        value: " ".join(doc.split())
+        for name, value, doc in _documented_constants(_module_tree("vllm/audit.py"))
+        if name.endswith("_OPERATION")
+    }
+    for node in ast.walk(_module_tree("vllm/lookup.py")):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "record_operation"
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+        ):
+            operations.setdefault(
+                node.args[1].value,
+                "Recorded per lookup probe (one `batch_is_exist` of the keys a lookup reads): the keys probed, "
+                "status `error` with every key failed when the call raised.",
+            )
+    return MetricsReference(series=series, operations=operations, reduced=reduced)
+
+
+def metrics_markdown() -> str:
+    found = metrics_reference()
+    out = ["| series | what it counts |", "|---|---|"]
+    out += [f"| `{name}` | {_cell(text)} |" for name, text in found.series.items()]
+    out += [
+        "",
+        "kvpolicy also records these operations in vLLM's connector stats, beside the Mooncake store's own "
+        "(`save_put`, `save_exists`, `load_get`, ...): vLLM's `/metrics` shows each as an `operation` label of the "
+        "stock `vllm:mooncake_store_operation_*` series, and its logged stats as `OPERATION_count`, `_avg_ms`, "
+        "`_p90_ms` and the like.",
+        "",
+        "| operation | what it records |",
+        "|---|---|",
+        *(f"| `{name}` | {_cell(text)} |" for name, text in found.operations.items()),
+        "",
+        "The connector's stats, as vLLM logs them, add these totals over the workers:",
+        "",
+        *(f"- `{name}`" for name in found.reduced),
+        "",
+    ]
+    return "\n".join(out)
+
+
+# --- the site -------------------------------------------------------------------------------------------
+
+
+GENERATORS: dict[str, Callable[[], str]] = {
+    "policy-format": lambda: format_markdown(Policy),
+    "layout-format": lambda: format_markdown(Layout),
+    "diagnostics": diagnostics_markdown,
+    "cli": cli_markdown,
+    "settings": settings_markdown,
+    "metrics": metrics_markdown,
+}
+"""Marker name -> the Markdown that replaces it."""
+
+
+def expand(markdown: str) -> str:
+    """``markdown`` with each reference marker replaced by its generated text; an unknown marker is a
+    ``ValueError`` (the build fails rather than publish a page missing its reference)."""
+
+    def replace(found: re.Match[str]) -> str:
+        name = found.group(1)
+        if name not in GENERATORS:
+            raise ValueError(f"unknown kvpolicy reference '{name}'; known: {', '.join(GENERATORS)}")
+        return GENERATORS[name]()
+
+    return MARKER.sub(replace, markdown)
