@@ -72,6 +72,11 @@ def _represent_flow(dumper: _Dumper, data: _Flow) -> yaml.SequenceNode:
 _Dumper.add_representer(_Flow, _represent_flow)
 
 
+def flow(items: list[Any]) -> list[Any]:
+    """``items`` written on one line by :func:`yaml_text` (nested lists too): ``[[0, 1], [2, 3]]``."""
+    return _Flow(items)
+
+
 def _fits_on_one_line(data: list[Any]) -> bool:
     if not all(_is_scalar_tree(item) for item in data):
         return False
@@ -104,14 +109,17 @@ def dump_layout(layout: Layout, *, captured_at: Topology | None = None, schema: 
             f"pcp_size {captured_at.pcp_size}, dcp_size {captured_at.dcp_size}."
         )
         header.append("# block_size, page_size_bytes and fields are one rank's values at that topology.")
-    body = yaml.dump(
-        _layout_data(layout), Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True,
-        width=1 << 30,
-    )
-    return "".join(f"{line}\n" for line in header) + body
+    return "".join(f"{line}\n" for line in header) + yaml_text(layout_data(layout))
 
 
-def _layout_data(layout: Layout) -> dict[str, Any]:
+def yaml_text(data: Any) -> str:
+    """Plain ``data`` as block-style YAML, keys in the order given, every string quoted where it
+    would read back as anything else (YAML 1.2 numbers included)."""
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True, width=1 << 30)
+
+
+def layout_data(layout: Layout) -> dict[str, Any]:
+    """``layout`` as plain data in the example layouts' key order (what :func:`dump_layout` writes)."""
     data: dict[str, Any] = {"version": layout.version, "kind": layout.kind, "model": layout.model}
     if layout.description:
         data["description"] = layout.description

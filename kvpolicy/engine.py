@@ -1050,6 +1050,12 @@ def _spec_types(members: Sequence[Member]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(member.spec.type for member in members))
 
 
+def replica_partition(head_factor: int, topology: Topology) -> tuple[tuple[int, ...], ...]:
+    """The replica sets a head factor gives the TP ranks (each set ascending, sets by first rank):
+    the partitions of ranks into equal bytes a plan can express."""
+    return tuple(sorted({_replica_set(rank, head_factor, topology) for rank in range(topology.tp_size)}))
+
+
 def _replica_set(tp_rank: int, head_factor: int, topology: Topology) -> tuple[int, ...]:
     """The ranks holding ``tp_rank``'s bytes: of its run of ``head_factor`` ranks repeating the same
     heads, those of its dcp rank (:meth:`Topology.dcp_rank`; the same at every PCP rank in every

@@ -31,12 +31,18 @@ from kvpolicy.models import (
     expression_variables,
     field_expressions,
 )
+from kvpolicy.discovery import DiscoveryReport
 from kvpolicy.routers import template_router_problems
 from kvpolicy.yamlsource import MAX_DOCUMENT_BYTES, Path, SourceMap, parse
 
-Document = Policy | Layout
-"""One top-level document, as a file holds it: a replication policy or a model layout."""
-KINDS: dict[str, type[Policy] | type[Layout]] = {"ReplicationPolicy": Policy, "ModelLayout": Layout}
+Document = Policy | Layout | DiscoveryReport
+"""One top-level document, as a file holds it: a replication policy, a model layout, or a discovery
+report (``kvpolicy discover``, the connector's ``kvpolicy_discover``)."""
+KINDS: dict[str, type[Policy] | type[Layout] | type[DiscoveryReport]] = {
+    "ReplicationPolicy": Policy,
+    "ModelLayout": Layout,
+    "DiscoveryReport": DiscoveryReport,
+}
 
 
 # --- finding files -----------------------------------------------------------------------------
@@ -158,6 +164,15 @@ def _read_bounded(path: str | FilePath) -> str:
         raise unreadable(f"file is not UTF-8 text (byte 0x{data[error.start]:02x}); save it as UTF-8", line, column) from None
 
 
+def read_text(path: str | FilePath) -> str:
+    """A document file's text, read within the same bounds as :func:`check_file`; :class:`DocumentError`
+    saying why it cannot be read."""
+    try:
+        return _read_bounded(path)
+    except _Unreadable as error:
+        raise DocumentError([error.diagnostic]) from None
+
+
 def check_file(path: str | FilePath) -> tuple[Document | None, list[Diagnostic]]:
     """:func:`check_text` of a file, read within bounds (:func:`_read_bounded`)."""
     try:
@@ -221,7 +236,7 @@ def _check_text(text: str, path: str) -> tuple[Document | None, list[Diagnostic]
             tuple(_expression_origins(path, source, index, rule) for index, rule in enumerate(document.rules)),
             _origin(path, source, ("strict",)),
         )
-    else:
+    elif isinstance(document, Layout):
         origins = _spec_origins(path, source, document)
         if origins:
             document = document.with_spec_origins(origins)
@@ -285,7 +300,7 @@ def load_policy(name_or_path: str | FilePath) -> Policy:
     document = load(path)
     if not isinstance(document, Policy):
         raise DocumentError(
-            [Diagnostic(str(path), 1, 1, "error", "expected a ReplicationPolicy, found a ModelLayout", "KVP101")]
+            [Diagnostic(str(path), 1, 1, "error", f"expected a ReplicationPolicy, found a {document.kind}", "KVP101")]
         )
     return document
 
@@ -295,12 +310,14 @@ def load_layout(name_or_path: str | FilePath) -> Layout:
     document = load(path)
     if not isinstance(document, Layout):
         raise DocumentError(
-            [Diagnostic(str(path), 1, 1, "error", "expected a ModelLayout, found a ReplicationPolicy", "KVP101")]
+            [Diagnostic(str(path), 1, 1, "error", f"expected a ModelLayout, found a {document.kind}", "KVP101")]
         )
     return document
 
 
-def _model_for(data: dict[str, Any], source: SourceMap, problems: list[Diagnostic]) -> type[Policy] | type[Layout] | None:
+def _model_for(
+    data: dict[str, Any], source: SourceMap, problems: list[Diagnostic]
+) -> type[Policy] | type[Layout] | type[DiscoveryReport] | None:
     """The model ``data`` is checked as: its ``kind``'s, else (with a diagnostic about the kind) the
     one its content looks like (``rules``: a policy; ``groups``: a layout), else None."""
     kind = data.get("kind")
@@ -467,7 +484,7 @@ def _warnings_for_raw(data: dict[str, Any], model: type[BaseModel], source: Sour
 def _semantic_checks(document: Document, source: SourceMap) -> Iterator[Diagnostic]:
     if isinstance(document, Policy):
         yield from _policy_checks(document, source)
-    else:
+    elif isinstance(document, Layout):
         yield from _layout_checks(document, source)
 
 

@@ -1,5 +1,5 @@
 """JSON Schemas of the documents kvpolicy reads (policies, layouts, the connector's
-``kv_connector_extra_config``) and writes (key contracts),
+``kv_connector_extra_config``) and writes (key contracts, discovery reports),
 generated from the models so they cannot drift."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from kvpolicy.contract import KeyContract
+from kvpolicy.discovery import DiscoveryReport
 from kvpolicy.models import Layout, Policy
 from kvpolicy.settings import KVPolicySettings
 
@@ -19,6 +20,7 @@ SCHEMA_FILES: dict[str, type[BaseModel]] = {
     "layout.schema.json": Layout,
     "keys.schema.json": KeyContract,
     "connector.schema.json": KVPolicySettings,
+    "discovery.schema.json": DiscoveryReport,
 }
 
 

@@ -45,6 +45,8 @@ CONNECTOR_MODULE = "kvpolicy.vllm"
 DEFAULT_READ_FAILURE_TTL_S = 30.0
 """Three times Mooncake's default ``client_ttl``: past the window in which the master still lists a
 dead host's objects."""
+DEFAULT_DISCOVER_STEPS = 16
+"""Save steps the connector observes under ``kvpolicy_discover`` unless told otherwise."""
 DEFAULT_PIECE_MIB = 256.0
 """MiB one rank stages per exchange of a striped load unless ``kvpolicy_striped_piece_mib`` says."""
 KEY_PREFIX = "kvpolicy"
@@ -130,6 +132,14 @@ class KVPolicySettings(BaseModel):
     kvpolicy_layout_out: Path | None = None
     """A file rank 0 writes, at start-up, the layout it planned (the ``ModelLayout`` of its
     ``KVCacheConfig``), for ``kvpolicy validate`` / ``kvpolicy plan --layout``."""
+    kvpolicy_discover: Path | None = None
+    """A file rank 0 writes a discovery report to (``kind: DiscoveryReport``): for the first
+    ``kvpolicy_discover_steps`` steps that save blocks, every rank digests, per layer and block, what
+    it saves for every group, and rank 0 records which TP ranks held identical bytes. Rewritten after
+    each observed step; never changes what is stored or loaded. ``kvpolicy discover --propose`` turns
+    reports into a policy."""
+    kvpolicy_discover_steps: int = Field(default=DEFAULT_DISCOVER_STEPS, ge=1, le=10_000, strict=True)
+    """Save steps observed under ``kvpolicy_discover`` (each costs one digest pass and one gather)."""
     kvpolicy_read_failure_ttl_s: float = Field(default=DEFAULT_READ_FAILURE_TTL_S, ge=0)
     """Seconds a key whose read failed stays missing to lookups (``0`` turns this off)."""
     kvpolicy_striped_piece_mib: float = Field(default=DEFAULT_PIECE_MIB, gt=0)
@@ -149,7 +159,10 @@ class KVPolicySettings(BaseModel):
             return os.fspath(setting) or None
         raise _problem(f"is a {type(setting).__name__}; {policy_usage()}")
 
-    @field_validator("kvpolicy_plan_json", "kvpolicy_keys_json", "kvpolicy_dynamo_json", "kvpolicy_layout_out", mode="before")
+    @field_validator(
+        "kvpolicy_plan_json", "kvpolicy_keys_json", "kvpolicy_dynamo_json", "kvpolicy_layout_out", "kvpolicy_discover",
+        mode="before",
+    )
     @classmethod
     def _path(cls, value: object) -> object:
         if value is None or value == "":

@@ -9,6 +9,7 @@ GPU without vLLM.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -18,8 +19,8 @@ import torch
 from kvpolicy.audit import DEFAULT_COMPARISON, Digest, ValueComparison, digest_blocks
 from kvpolicy.device.storages import KVStorages
 
-__all__ = ["SAMPLE_VALUES", "BlockReader", "TokenDatabase", "block_regions", "local_digests", "local_samples",
-           "tensor_distance"]
+__all__ = ["SAMPLE_VALUES", "BlockReader", "TokenDatabase", "block_regions", "local_digests", "local_layer_digests",
+           "local_samples", "tensor_distance"]
 
 SAMPLE_VALUES = 16_384
 """Values per rank and group sent when a replica set's digests differ (64 KiB as float32): an
@@ -87,6 +88,26 @@ class BlockReader:
             parts.append(tensor.index_select(0, index).reshape(-1).float())
         return torch.cat(parts)
 
+    def spans(self, layer_names: Iterable[str]) -> list[tuple[int, int, str]]:
+        """(first address, end address, layer) of the memory each layer's tensors reach, by address.
+
+        The layers of one KV-cache group never share memory (vLLM shares a buffer only between layers
+        of different groups), so within a group every region a token database names starts in exactly
+        one layer's span. A region may run past its tensor's view (a Mamba state's region is the whole
+        padded page), so regions are attributed by where they start."""
+        found = []
+        for name in layer_names:
+            reaches = [
+                (tensor.data_ptr(),
+                 tensor.data_ptr() + tensor.element_size()
+                 * (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))))
+                for tensor in self.tensors((name,))
+                if tensor.numel()
+            ]
+            if reaches:
+                found.append((min(start for start, _ in reaches), max(end for _, end in reaches), name))
+        return sorted(found)
+
     def read(self, addresses: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
         """The bytes at ``addresses`` (``sizes`` each) on the host, in order.
 
@@ -121,6 +142,40 @@ def local_digests(
     return {
         group: digest_blocks(reader.read(*block_regions(token_dbs[group], block_ids))) for group, block_ids in blocks.items()
     }
+
+
+def local_layer_digests(
+    token_dbs: Sequence[TokenDatabase],
+    reader: BlockReader,
+    blocks: Mapping[int, Sequence[int]],
+    layer_names: Mapping[int, Sequence[str]],
+) -> dict[int, dict[str, list[tuple[str, bool]]]]:
+    """This rank's digests per group, layer and block (discovery): each block's regions, attributed
+    to the group's layers by address (:meth:`BlockReader.spans`), digested per layer in the order the
+    store writes them, as (hex digest, all zero). Raises ``ValueError`` for a region in no layer's span."""
+    found: dict[int, dict[str, list[tuple[str, bool]]]] = {}
+    for group, block_ids in blocks.items():
+        names = list(layer_names[group])
+        spans = reader.spans(names)
+        starts = [start for start, _, _ in spans]
+        per_layer: dict[str, list[tuple[str, bool]]] = {name: [] for name in names}
+        for block_id in block_ids:
+            addresses, sizes = token_dbs[group].prepare_value_for_block(block_id)
+            regions: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name in names}
+            for address, size in zip(addresses, sizes, strict=True):
+                where = bisect.bisect_right(starts, address) - 1
+                if where < 0 or address >= spans[where][1]:
+                    raise ValueError(f"group {group}: block {block_id}'s region at {address:#x} lies in none of its layers")
+                layer_addresses, layer_sizes = regions[spans[where][2]]
+                layer_addresses.append(address)
+                layer_sizes.append(size)
+            for name in names:
+                layer_addresses, layer_sizes = regions[name]
+                if layer_addresses:
+                    digest = digest_blocks(reader.read(layer_addresses, layer_sizes))
+                    per_layer[name].append((digest.value, digest.all_zero))
+        found[group] = per_layer
+    return found
 
 
 def local_samples(

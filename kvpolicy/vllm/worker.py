@@ -29,7 +29,9 @@ from kvpolicy.keys import KeyContext, model_basename, split_chunk_key
 from kvpolicy.models import Layout, LoadMode, Policy, Topology
 from kvpolicy.plan import Plan
 from kvpolicy.routers import DynamoDeployment, DynamoHashContract
+from kvpolicy.device.blocks import local_layer_digests
 from kvpolicy.runtime.collective import PeerExchange
+from kvpolicy.runtime.discovery import RankDiscovery
 from kvpolicy.runtime.policy import RankPlace, RankPolicy, capture_layout, plan_and_replan
 from kvpolicy.settings import KVPolicySettings
 from kvpolicy.store_layout import StoreSharding
@@ -82,6 +84,8 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
 
     _layout: Layout | None = None
     """The layout the plan was made from, set by :meth:`_make_plan`; None before planning."""
+    _discovery_source = "engine"
+    """What a discovery report says observed it: ``simulation`` for :meth:`standalone` workers."""
 
     def __init__(
         self,
@@ -126,6 +130,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         schedules puts and stripes loads exactly as on an engine;
         :mod:`kvpolicy.sim` runs its ranks this way."""
         worker = cls.__new__(cls)
+        worker._discovery_source = "simulation"
         worker._init_policy_state(
             policy, vllm_config, model=model, is_first_rank=ranks.is_first, gather=gather, exchange=exchange,
             settings=settings,
@@ -170,6 +175,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._store_sharding: StoreSharding | None = None
         self._plan: Plan | None = None
         self._runtime: RankPolicy | None = None
+        self._discovery: RankDiscovery | None = None
         self._block_reader: online_audit.BlockReader | None = None
         self._tally = Tally()
         # Instance-wide counts (audit steps, the plan) come from one worker: tp rank 0 of every (pcp,
@@ -254,6 +260,12 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
                 f"{len(internals.kv_cache_groups(self))}; the layout adapter and vLLM disagree on the group selection"
             )
         settings = self._settings
+        if settings.kvpolicy_discover is not None:
+            self._discovery = RankDiscovery(
+                layout=layout, topology=topology, model=self._model, steps=settings.kvpolicy_discover_steps,
+                gather=self._gather, report_path=settings.kvpolicy_discover if self._is_first_rank else None,
+                source=self._discovery_source,
+            )
         self._runtime = RankPolicy(
             policy,
             store=self.store,
@@ -437,8 +449,30 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
     def wait_for_save(self, metadata: MooncakeStoreConnectorMetadata) -> None:
         # The audit first, so that a demoted group's blocks of this very step go to its own namespace.
         if not internals.capacity_only(self) and self.can_put:
+            self._discovery_step(metadata)
             self._audit_step(metadata)
         super().wait_for_save(metadata)
+
+    def _discovery_step(self, metadata: MooncakeStoreConnectorMetadata) -> None:
+        """Under ``kvpolicy_discover``, one observed step if this step saves blocks: every rank
+        decides alike from the metadata and the count of steps observed (see
+        :mod:`kvpolicy.runtime.discovery`)."""
+        discovery = self._discovery
+        if discovery is None or not discovery.observing:
+            return
+        groups = internals.kv_cache_groups(self)
+        blocks = online_audit.blocks_to_audit(metadata, self.coord, range(len(groups)))
+        if not blocks:
+            return
+        reader = self._block_reader
+
+        def collect() -> dict[int, dict[str, list[tuple[str, bool]]]]:
+            if reader is None:
+                raise RuntimeError("no KV caches registered")
+            layer_names = {group: groups[group].layer_names for group in blocks}
+            return local_layer_digests(self.token_dbs, reader, blocks, layer_names)
+
+        discovery.observe_step(collect)
 
     def _audit_step(self, metadata: MooncakeStoreConnectorMetadata) -> None:
         """One audited step, if this is one. Every TP rank reaches the same decision from the same

@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CORE = ("models", "loader", "yamlsource", "expressions", "matcher", "engine", "plan", "keys", "audit",
         "diagnostics", "schema", "report", "catalog", "traffic", "dumper", "store_layout", "contract", "diff",
-        "settings", "routers")
+        "settings", "routers", "discovery", "propose")
 LAYERS = {
     "kvpolicy.runtime": {
         "kvpolicy.vllm", "kvpolicy.mooncake", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.harness",

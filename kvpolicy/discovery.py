@@ -1,0 +1,312 @@
+"""Discovery: which TP ranks hold byte-identical bytes, observed rather than declared (pure).
+
+A policy's rules state which ranks repeat a group's bytes; the audit (:mod:`kvpolicy.audit`) checks
+the groups a policy calls replicated. Discovery turns the same machinery around: for the first steps
+of an instance every rank digests, per layer and per block, the bytes it saves for *every* group,
+the digests are gathered over the TP group, and rank 0 keeps, for each layer, the partition of the
+TP ranks into classes of equal bytes. Two ranks share a class only if their bytes were equal in
+every block compared; a block that is all zero on some rank proves nothing and is only counted.
+
+This module holds the pure half: partitions, the :class:`Observer` that accumulates them, and the
+:class:`DiscoveryReport` document rank 0 writes (``kind: DiscoveryReport``, JSON Schema in
+``schemas/discovery.schema.json``). :mod:`kvpolicy.runtime.discovery` runs it on a rank;
+:mod:`kvpolicy.propose` turns reports into a policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from kvpolicy.dumper import flow, layout_data, yaml_text
+from kvpolicy.models import DocumentVersion, Layout, StrictModel, Topology
+
+__all__ = [
+    "BlockDigest",
+    "DiscoveryReport",
+    "Evidence",
+    "GroupObservation",
+    "LayerObservation",
+    "Observer",
+    "Partition",
+    "RankObservation",
+    "dump_report",
+    "meet",
+    "partition_of",
+    "runs",
+]
+
+Partition = tuple[tuple[int, ...], ...]
+"""TP ranks in classes of equal bytes: each class ascending, classes ordered by their first rank."""
+
+BlockDigest = tuple[str, bool]
+"""One rank's digest of one block of one layer: (hex digest, all zero)."""
+
+RankObservation = Mapping[int, Mapping[str, Sequence[BlockDigest]]] | None
+"""What one rank sends per observed step: group → layer → its blocks' digests, in the order the step
+saves them (the same block ids on every rank); None when the rank could not read its blocks."""
+
+MAX_DISTINCT_TRACKED = 4096
+"""Distinct block contents counted per layer at most (the evidence needs a handful, not all)."""
+
+
+def partition_of(values: Sequence[Hashable]) -> Partition:
+    """The ranks (indices of ``values``) grouped by equal value, in rank order."""
+    classes: dict[Hashable, list[int]] = {}
+    for rank, value in enumerate(values):
+        classes.setdefault(value, []).append(rank)
+    return tuple(sorted(tuple(members) for members in classes.values()))
+
+
+def meet(first: Partition, second: Partition) -> Partition:
+    """The coarsest partition finer than both: ranks share a class only where they do in each."""
+    where = {rank: index for index, members in enumerate(second) for rank in members}
+    split: dict[tuple[int, int], list[int]] = {}
+    for index, members in enumerate(first):
+        for rank in members:
+            split.setdefault((index, where.get(rank, -1 - rank)), []).append(rank)
+    return tuple(sorted(tuple(members) for members in split.values()))
+
+
+def runs(size: int, tp_size: int) -> Partition:
+    """``tp_size`` ranks in runs of ``size`` consecutive ranks (``size`` divides ``tp_size``)."""
+    return tuple(tuple(range(start, start + size)) for start in range(0, tp_size, size))
+
+
+class Evidence(StrictModel):
+    """What an observed partition rests on."""
+
+    steps: int = Field(ge=0)
+    """Observed steps that compared at least one block of this layer (or group)."""
+    blocks: int = Field(ge=0)
+    """Blocks compared across every TP rank with non-zero bytes on each: the evidence."""
+    zero_blocks: int = Field(ge=0)
+    """Blocks all zero on some rank: an unwritten cache is identical everywhere, so they prove nothing."""
+    distinct_blocks: int = Field(ge=0)
+    """Distinct contents among the compared blocks (rank 0's digests; counted up to 4096). Equal bytes
+    seen over one repeated content say little about the next one."""
+
+
+class LayerObservation(StrictModel):
+    """One layer's observed partition."""
+
+    name: str
+    """The layer's name, as in the layout."""
+    partition: tuple[tuple[int, ...], ...]
+    """TP ranks in classes of byte-identical blocks (empty: nothing compared)."""
+    evidence: Evidence
+    """What the partition rests on."""
+
+
+class GroupObservation(StrictModel):
+    """One KV-cache group's observation: its layers', and the group's own (their meet)."""
+
+    index: int = Field(ge=0)
+    """The group's index (its ``@group:`` number in store keys)."""
+    name: str = ""
+    """The group's name in the layout (may be empty)."""
+    partition: tuple[tuple[int, ...], ...]
+    """TP ranks in classes holding the same bytes in every layer of the group (empty: nothing compared)."""
+    evidence: Evidence
+    """Summed over the group's layers (``steps``: steps that compared any of its blocks)."""
+    layers: tuple[LayerObservation, ...]
+    """Every layer of the group, in the layout's order."""
+
+
+class DiscoveryReport(StrictModel):
+    """Which TP ranks held byte-identical bytes, per group and layer, over an instance's first steps."""
+
+    version: DocumentVersion
+    """The document format version: 1."""
+    kind: Literal["DiscoveryReport"]
+    """Always ``DiscoveryReport``."""
+    model: str = Field(min_length=1, max_length=1000)
+    """The model served (vLLM's model name or path)."""
+    source: Literal["engine", "simulation"]
+    """``engine``: observed by the connector on a running vLLM instance; ``simulation``: by
+    ``kvpolicy discover`` on simulated ranks holding the bytes the model holds."""
+    topology: Topology
+    """The instance's parallel layout."""
+    steps: int = Field(ge=0)
+    """Save steps observed in which every rank read its blocks."""
+    failed_steps: int = Field(default=0, ge=0)
+    """Save steps observed in which some rank could not read its blocks: they prove nothing (the
+    rank's log says why)."""
+    layout: Layout
+    """The layout the instance planned (what ``kvpolicy_layout_out`` captures), one rank's values at
+    ``topology``: the spec classes, fields and KV heads a proposed rule is keyed by."""
+    groups: tuple[GroupObservation, ...]
+    """One entry per group of ``layout``, in order."""
+
+    @model_validator(mode="after")
+    def _partitions_of_the_tp_ranks(self) -> DiscoveryReport:
+        tp_ranks = list(range(self.topology.tp_size))
+        if len(self.groups) != len(self.layout.groups):
+            raise ValueError(f"lists {len(self.groups)} groups; the layout has {len(self.layout.groups)}")
+        for position, group in enumerate(self.groups):
+            if group.index != position:
+                raise ValueError(f"groups[{position}] has index {group.index}; groups are listed in order")
+            expected = [layer for member in self.layout.groups[position].members for layer in member.layers]
+            listed = [layer.name for layer in group.layers]
+            if listed != expected:
+                raise ValueError(f"group {position} lists layers {_short(listed)}; the layout's are {_short(expected)}")
+            for what, partition in (("group", group.partition), *((layer.name, layer.partition) for layer in group.layers)):
+                if partition and sorted(rank for members in partition for rank in members) != tp_ranks:
+                    raise ValueError(
+                        f"group {position} ({what}): partition {[list(c) for c in partition]} is not a partition of "
+                        f"the TP ranks 0..{self.topology.tp_size - 1}"
+                    )
+        return self
+
+
+def _short(names: Sequence[str]) -> str:
+    return ", ".join(names[:3]) + (f" (+{len(names) - 3})" if len(names) > 3 else "")
+
+
+# --- accumulating ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tally:
+    partition: Partition | None = None
+    steps: int = 0
+    blocks: int = 0
+    zero_blocks: int = 0
+    distinct: set[str] = field(default_factory=set)
+
+    def evidence(self) -> Evidence:
+        return Evidence(steps=self.steps, blocks=self.blocks, zero_blocks=self.zero_blocks,
+                        distinct_blocks=len(self.distinct))
+
+
+@dataclass
+class Observer:
+    """Rank 0's running observation of one instance (``group_layers``: group → its layers in order).
+
+    :meth:`observe` folds in one step's gathered :data:`RankObservation` of every TP rank. A step in
+    which some rank failed to read its blocks is skipped whole (counted in :attr:`failed_steps`)."""
+
+    tp_size: int
+    group_layers: Sequence[Sequence[str]]
+    steps: int = 0
+    failed_steps: int = 0
+    _layers: dict[tuple[int, str], _Tally] = field(default_factory=dict)
+    _group_steps: dict[int, int] = field(default_factory=dict)
+
+    def observe(self, gathered: Sequence[RankObservation]) -> None:
+        if len(gathered) != self.tp_size:
+            raise ValueError(f"expected {self.tp_size} ranks' observations, got {len(gathered)}")
+        self.steps += 1
+        if any(rank is None for rank in gathered):
+            self.failed_steps += 1
+            return
+        reports: list[Mapping[int, Mapping[str, Sequence[BlockDigest]]]] = [rank for rank in gathered if rank is not None]
+        for group, layers in enumerate(self.group_layers):
+            compared = False
+            for layer in layers:
+                per_rank = [report.get(group, {}).get(layer) for report in reports]
+                if any(blocks is None for blocks in per_rank) or not per_rank[0]:
+                    continue
+                lengths = {len(blocks) for blocks in per_rank if blocks is not None}
+                if len(lengths) != 1:
+                    continue  # ranks saved different blocks: not comparable (cannot happen on one metadata)
+                tally = self._layers.setdefault((group, layer), _Tally())
+                tally.steps += 1
+                compared = True
+                for position in range(lengths.pop()):
+                    digests = [blocks[position] for blocks in per_rank if blocks is not None]
+                    if any(all_zero for _, all_zero in digests):
+                        tally.zero_blocks += 1
+                        continue
+                    tally.blocks += 1
+                    if len(tally.distinct) < MAX_DISTINCT_TRACKED:
+                        tally.distinct.add(digests[0][0])
+                    seen = partition_of([value for value, _ in digests])
+                    tally.partition = seen if tally.partition is None else meet(tally.partition, seen)
+            if compared:
+                self._group_steps[group] = self._group_steps.get(group, 0) + 1
+
+    def layer(self, group: int, layer: str) -> LayerObservation:
+        tally = self._layers.get((group, layer), _Tally())
+        return LayerObservation(name=layer, partition=tally.partition or (), evidence=tally.evidence())
+
+    def groups(self, names: Sequence[str] = ()) -> tuple[GroupObservation, ...]:
+        found = []
+        for group, layer_names in enumerate(self.group_layers):
+            layers = tuple(self.layer(group, layer) for layer in layer_names)
+            partition: Partition | None = None
+            for observed in layers:
+                if observed.partition:
+                    partition = observed.partition if partition is None else meet(partition, observed.partition)
+            evidence = Evidence(
+                steps=self._group_steps.get(group, 0),
+                blocks=sum(layer.evidence.blocks for layer in layers),
+                zero_blocks=sum(layer.evidence.zero_blocks for layer in layers),
+                distinct_blocks=min(MAX_DISTINCT_TRACKED, sum(layer.evidence.distinct_blocks for layer in layers)),
+            )
+            found.append(GroupObservation(
+                index=group, name=names[group] if group < len(names) else "", partition=partition or (),
+                evidence=evidence, layers=layers,
+            ))
+        return tuple(found)
+
+    def report(self, *, model: str, source: Literal["engine", "simulation"], topology: Topology, layout: Layout) -> DiscoveryReport:
+        names = [group.name or "" for group in layout.groups]
+        return DiscoveryReport(
+            version=1, kind="DiscoveryReport", model=model, source=source, topology=topology,
+            steps=self.steps - self.failed_steps, failed_steps=self.failed_steps, layout=layout,
+            groups=self.groups(names),
+        )
+
+
+def group_layers(layout: Layout) -> tuple[tuple[str, ...], ...]:
+    """Each group's layers in the layout's order: what an :class:`Observer` is built with."""
+    return tuple(tuple(layer for member in group.members for layer in member.layers) for group in layout.groups)
+
+
+# --- writing --------------------------------------------------------------------------------------
+
+
+def report_data(report: DiscoveryReport) -> dict[str, Any]:
+    """The report as plain data in its document order (partitions as lists of lists)."""
+
+    def partition(value: Partition) -> list[list[int]]:
+        return flow([list(members) for members in value])
+
+    return {
+        "version": report.version,
+        "kind": report.kind,
+        "model": report.model,
+        "source": report.source,
+        "topology": dict(report.topology.model_dump()),
+        "steps": report.steps,
+        "failed_steps": report.failed_steps,
+        "groups": [
+            {
+                "index": group.index,
+                "name": group.name,
+                "partition": partition(group.partition),
+                "evidence": dict(group.evidence.model_dump()),
+                "layers": [
+                    {"name": layer.name, "partition": partition(layer.partition), "evidence": layer.evidence.model_dump()}
+                    for layer in group.layers
+                ],
+            }
+            for group in report.groups
+        ],
+        "layout": layout_data(report.layout),
+    }
+
+
+def dump_report(report: DiscoveryReport, *, schema: str | None = None) -> str:
+    """``report`` as YAML that :func:`kvpolicy.loader.check_file` reads back equal."""
+    header = f"# yaml-language-server: $schema={schema}\n" if schema else ""
+    return header + yaml_text(report_data(report))
+
+
+def parse_partition(value: Iterable[Iterable[int]]) -> Partition:
+    return tuple(sorted(tuple(sorted(members)) for members in value))
+
