@@ -17,6 +17,7 @@ from typing import Any
 from kvpolicy import schema
 from kvpolicy.app.diagnostic_formats import FORMATS, FileResult, Selection, parse_codes, render
 from kvpolicy.app.rule import run_rule
+from kvpolicy.app.discover import add_discover_parser
 from kvpolicy.app.topology_flags import add_topology_flag, add_topology_flags, topology_from_args
 from kvpolicy.contract import KeyContract, key_contract
 from kvpolicy.diagnostics import DocumentError, PlanError, printable_path
@@ -513,6 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--tokens", type=int, default=256, help="prompt length")
     audit.add_argument("--format", choices=("text", "json"), default="text")
     audit.set_defaults(run=_audit)
+
+    add_discover_parser(commands)
 
     demo = commands.add_parser("demo", help="embedded Mooncake master, multi-rank simulation, vLLM cold/warm run")
     add_topology_flag(demo, "tp_size", default=4, help="TP size of the simulated hybrid instance")
