@@ -90,6 +90,11 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "cli/test_document_kinds.py": "contract",
     "cli/test_doctor.py": ("contract", "sim"),
     "cli/test_demo.py": "engine",
+    "cli/test_rule.py": "pure",
+    # --- the documentation site -----------------------------------------------------------------
+    "docs/test_docs_site.py": ("pure", "contract", "engine"),
+    "docs/test_docs_site.py::test_the_metrics_reference_names_every_series_and_operation_*": "contract",
+    "docs/test_docs_site.py::test_the_site_builds_strictly_with_its_references": "engine",
     # --- packaging ------------------------------------------------------------------------------
     "packaging/test_architecture.py": "pure",
     "packaging/test_tiers.py": "pure",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import textwrap
 from pathlib import Path
 
@@ -243,28 +244,30 @@ def test_store_tp_and_store_tp_lcm_together_are_a_usage_error(capsys: pytest.Cap
     assert exit_info.value.code == 2 and "not allowed with argument --store-tp" in capsys.readouterr().err
 
 
-def readme_transcripts() -> list[tuple[str, str]]:
-    """Every ``$ kvpolicy plan ...`` transcript in the README's text blocks: (command, printed output)."""
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+def plan_transcripts() -> list[tuple[str, str]]:
+    """Every ``$ kvpolicy plan ...`` transcript in a text or console block of the README or a page of the
+    documentation (docs/): (command, printed output)."""
     transcripts = []
-    for block in readme.split("```text\n")[1:]:
-        body = block.split("```", 1)[0]
-        if body.startswith("$ kvpolicy plan "):
-            command, _, output = body.partition("\n")
-            transcripts.append((command.removeprefix("$ kvpolicy "), output))
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        text = page.read_text(encoding="utf-8")
+        for block in re.split(r"```(?:text|console)\n", text)[1:]:
+            body = block.split("```", 1)[0]
+            if body.startswith("$ kvpolicy plan "):
+                command, _, output = body.partition("\n")
+                transcripts.append((command.removeprefix("$ kvpolicy "), output))
     return transcripts
 
 
-@pytest.mark.parametrize(("command", "output"), readme_transcripts())
-def test_the_readme_plan_transcripts_are_what_the_cli_prints(
+@pytest.mark.parametrize(("command", "output"), plan_transcripts())
+def test_the_documented_plan_transcripts_are_what_the_cli_prints(
     capsys: pytest.CaptureFixture[str], command: str, output: str
 ) -> None:
     code, out, _ = run(capsys, *command.split())
     assert (code, out) == (0, output)
 
 
-def test_the_readme_has_a_plan_transcript() -> None:
-    assert readme_transcripts()
+def test_the_documentation_has_plan_transcripts() -> None:
+    assert len(plan_transcripts()) >= 2
 
 
 def test_keys_prints_a_contract_valid_against_its_schema(capsys: pytest.CaptureFixture[str]) -> None:

@@ -143,10 +143,14 @@ def test_every_check_has_a_unique_well_formed_code_and_name() -> None:
     assert all(re.fullmatch(r"KVP\d{3}", check.code) and re.fullmatch(r"[a-z-]+", check.name) for check in CHECKS)
 
 
-def test_the_readme_documents_every_check() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+def test_the_documentations_diagnostics_reference_lists_every_check() -> None:
+    from kvpolicy.app.reference import diagnostics_markdown
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "diagnostics.md").read_text(encoding="utf-8")
+    reference = diagnostics_markdown()
+    assert "<!-- kvpolicy-reference: diagnostics -->" in page
     for check in CHECKS:
-        assert f"| `{check.code}` | `{check.name}` | {check.severity} |" in readme, check.code
+        assert f"| [`{check.code}`](#{check.code.lower()}) | `{check.name}` | {check.severity} |" in reference, check.code
 
 
 def test_text_lines_end_with_the_code(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:

@@ -162,9 +162,13 @@ def test_a_new_plan_replaces_the_info_series() -> None:
     assert 'fingerprint="old"' not in text and sample(text, "vllm:kvpolicy_group_info", fingerprint="new") == 1
 
 
-def test_every_series_is_named_in_the_readme() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    assert [name for name in METRICS if f"`{name}`" not in readme] == []
+def test_every_series_is_named_in_the_documentations_metrics_reference() -> None:
+    from kvpolicy.app.reference import metrics_markdown
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "metrics.md").read_text(encoding="utf-8")
+    reference = metrics_markdown()
+    assert "<!-- kvpolicy-reference: metrics -->" in page
+    assert [name for name in METRICS if f"| `{name}` | {METRICS[name]}" not in reference] == []
 
 
 def test_inside_multiconnector_the_stats_rebuild_and_reach_prometheus(fleet: Fleet) -> None:

@@ -1,4 +1,4 @@
-"""``vllm serve`` end to end: the OpenAI-compatible server with the README's exact ``--kv-transfer-config``,
+"""``vllm serve`` end to end: the OpenAI-compatible server with the deploy guide's exact ``--kv-transfer-config``,
 a real Mooncake master, a real HTTP client. A cold server answers a long prompt and stores it; a
 second, fresh server answers it warm from the store: the same completion, and the hit visible in its
 ``/metrics``.
@@ -37,17 +37,25 @@ LOGPROB_TOLERANCE = 1e-4
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 
 
-def readme_kv_transfer_config(section: str = "Point vLLM at a policy") -> str:
-    """The ``--kv-transfer-config`` value of the serve command in a README section, verbatim."""
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    text = readme.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+DEPLOY_GUIDE = REPO / "docs" / "guides" / "deploy.md"
+
+
+def readme_kv_transfer_config(section: str = "Point vLLM at a policy", page: Path = DEPLOY_GUIDE) -> str:
+    """The ``--kv-transfer-config`` value of the serve command in a section of the deploy guide (or of
+    another page), verbatim."""
+    text = page.read_text(encoding="utf-8")
+    text = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
     found = re.search(r"--kv-transfer-config \\\n\s*'(\{.*?\})'", text)
-    assert found, f"the README's {section!r} section lost its --kv-transfer-config line"
+    assert found, f"{page.name}'s {section!r} section lost its --kv-transfer-config line"
     return found.group(1)
 
 
 def test_the_deploy_section_serves_the_line_this_test_runs() -> None:
     assert readme_kv_transfer_config("Deploy on GPUs") == readme_kv_transfer_config()
+
+
+def test_the_readmes_install_section_serves_the_line_this_test_runs() -> None:
+    assert readme_kv_transfer_config("Install", REPO / "README.md") == readme_kv_transfer_config()
 
 
 def test_the_readme_line_names_the_connector_and_a_shipped_policy() -> None:
