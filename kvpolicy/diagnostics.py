@@ -6,6 +6,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from kvpolicy.keys import UPSTREAM_KEY_TEMPLATE
+
 Severity = Literal["error", "warning"]
 
 MAX_MESSAGE_CHARS = 500
@@ -29,7 +31,8 @@ class Check:
     """One kind of problem ``kvpolicy validate`` reports, under a stable code."""
 
     code: str
-    """``KVP`` and three digits; the first digit is the family (0 file, 1 format, 2 lint, 3 plan, 9 output)."""
+    """``KVP`` and three digits; the first digit is the family (0 file, 1 format, 2 lint, 3 plan, 4 discovery,
+    9 output)."""
     name: str
     """Kebab-case name, the SARIF rule's ``name``."""
     severity: Severity
@@ -45,6 +48,23 @@ class Check:
 _POLICY_HEAD = "version: 1\nkind: ReplicationPolicy\nname: my-policy\n"
 _LAYOUT_HEAD = "version: 1\nkind: ModelLayout\nmodel: my-model\ntotal_num_kv_heads: 8\ngroups:\n"
 _ATTENTION_SPEC = "{type: FullAttentionSpec, bases: [AttentionSpec, KVCacheSpec], block_size: 16, page_size_bytes: 65536}"
+
+
+def _report(*, tp: int = 2, partition: str = "[[0, 1]]",
+            evidence: str = "{steps: 2, blocks: 8, zero_blocks: 0, distinct_blocks: 8}") -> str:
+    """A discovery report of one 1-KV-head attention layer, as the connector writes one."""
+    return (
+        f"version: 1\nkind: DiscoveryReport\nmodel: my-model\nsource: engine\ntopology: {{tp_size: {tp}}}\nsteps: 2\n"
+        f"groups:\n  - index: 0\n    partition: {partition}\n    evidence: {evidence}\n    layers:\n"
+        f"      - name: layers.0.attn\n        partition: {partition}\n        evidence: {evidence}\n"
+        "layout:\n  version: 1\n  kind: ModelLayout\n  model: my-model\n  total_num_kv_heads: 1\n  groups:\n"
+        f"    - spec: {_ATTENTION_SPEC}\n      layers: [layers.0.attn]\n"
+    )
+
+
+_GROUP_IN_NAMESPACE = UPSTREAM_KEY_TEMPLATE.replace("{store_namespace}", "@g{group}@plan:{fingerprint}")
+"""The upstream key template with the group also in the namespace (KVP205's example), spelled from
+:mod:`kvpolicy.keys`, the one module that spells key fields."""
 
 
 def _validate(text: str, name: str = "policy.yaml") -> Example:
@@ -191,12 +211,11 @@ CHECKS: tuple[Check, ...] = (
         "key contract states them.",
         "Routers find where a prefix lives by parsing store keys. The check runs the template's keys through a port "
         "of Mooncake Conductor's parser and warns, at the field at fault, of keys it refuses, a field it reads in "
-        "another's place, a rank or group field in the namespace (everything before `@tp_rank:`), a namespace "
-        "without the model, and, under an audit, a template without `{fingerprint}` (a demoted group's keys would "
-        "end in `@demoted:...`, which Conductor refuses). The shipped templates pass.",
+        "another's place, a rank or group field in the namespace (everything before the TP rank field), a "
+        "namespace without the model, and, under an audit, a template without `{fingerprint}` (a demoted group's "
+        "keys would end in a demotion suffix, which Conductor refuses). The shipped templates pass.",
         _validate(
-            _POLICY_HEAD + "key:\n  template: \"{cache_prefix}{model}@g{group}@plan:{fingerprint}@tp_rank:{shard}"
-            "@pcp{pcp_rank}@dcp{dcp_rank}@pp_rank:{pp_rank}\"\nrules: []\n"
+            _POLICY_HEAD + f"key:\n  template: \"{_GROUP_IN_NAMESPACE}\"\nrules: []\n"
         ),
     ),
     Check(
@@ -215,6 +234,37 @@ CHECKS: tuple[Check, ...] = (
             ),),
             argv=("plan", "--policy", "policy.yaml", "--layout", "llama-3.1-70b", "--tp", "2"),
         ),
+    ),
+    Check(
+        "KVP401", "thin-evidence", "error",
+        "A discovery report's layer rests on too few compared blocks to conclude a rule from.",
+        "`kvpolicy discover --propose` concludes a rule only from layers whose ranks compared at least 4 blocks of "
+        "2 distinct contents, every rank holding non-zero bytes: an unwritten (all-zero) cache is identical on every "
+        "rank, and one repeated content says little about the next. Observe more steps (`kvpolicy_discover_steps`) "
+        "with prompts of several blocks, or offline `kvpolicy discover --steps`. Nothing is proposed while any "
+        "layer is refused.",
+        Example(files=(("report.yaml", _report(evidence="{steps: 1, blocks: 2, zero_blocks: 6, distinct_blocks: 1}")),),
+                argv=("discover", "--propose", "report.yaml")),
+    ),
+    Check(
+        "KVP402", "inexpressible-partition", "error",
+        "A discovery report's layer held equal bytes in classes of ranks no replication factor gives.",
+        "A plan repeats a layer's bytes over runs of consecutive TP ranks of one size (under decode-context "
+        "parallelism, those of equal dcp rank among them). Ranks 0 and 2 equal while 1 and 3 are equal too, or "
+        "classes of different sizes, are no such runs, so no rule can express them and none is proposed. Such an "
+        "observation usually means the layer's bytes are not what the model computes (padding, a cache written "
+        "elsewhere); look at the layer before writing a rule for it by hand.",
+        Example(files=(("report.yaml", _report(tp=4, partition="[[0, 2], [1, 3]]")),),
+                argv=("discover", "--propose", "report.yaml")),
+    ),
+    Check(
+        "KVP403", "contradicting-observations", "error",
+        "Two discovery reports saw one layer of one model at one TP size with different partitions.",
+        "Observations of the same layer at the same TP size must agree; when they do not (two models whose layers "
+        "share names but not their heads, a report of another model version), `kvpolicy discover --propose` does "
+        "not pick one. Propose from the reports of one model, or rename the layers apart.",
+        Example(files=(("a.yaml", _report()), ("b.yaml", _report(partition="[[0], [1]]"))),
+                argv=("discover", "--propose", "a.yaml", "b.yaml")),
     ),
     Check(
         "KVP901", "too-many-problems", "error", "More problems than are listed for one file; fix these first.",

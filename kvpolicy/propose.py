@@ -157,7 +157,7 @@ def _sightings(loaded: LoadedReport, refusals: list[Diagnostic]) -> list[_Sighti
                 position, message = items[0]
                 more = f" (and {len(items) - 1} more layers of group {group_index} alike)" if len(items) > 1 else ""
                 refusals.append(loaded.source.diagnostic(("groups", group_index, "layers", position, what),
-                                                         message + more, code=code))
+                                                         message + more, code=code, prefer_key=what == "evidence"))
     return found
 
 
@@ -182,16 +182,18 @@ def _formulas(sighting: _Sighting) -> Iterable[tuple[Callable[[_Sighting], int |
 
 
 def _fit(sightings: Sequence[_Sighting]) -> _Outcome | None:
-    """The rules giving every sighting its head factor, or None when sightings at one TP size disagree."""
+    """The rules giving every sighting its head factor: a formula that fits them all (observed at two
+    TP sizes or more), else a literal per TP size; None when the sightings at one TP size need
+    different literals."""
     by_tp: dict[int, set[int]] = {}
     for sighting in sightings:
         by_tp.setdefault(sighting.tp, set()).add(sighting.head_factor)
-    if any(len(factors) > 1 for factors in by_tp.values()):
-        return None
     if len(by_tp) >= 2:
         for formula, outcome in _formulas(sightings[0]):
             if all(formula(sighting) == sighting.head_factor for sighting in sightings):
                 return outcome
+    if any(len(factors) > 1 for factors in by_tp.values()):
+        return None
     return tuple(
         (("when", f"tp_size == {tp}"), ("factor", str(next(iter(factors))))) for tp, factors in sorted(by_tp.items())
     )

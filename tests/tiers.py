@@ -46,6 +46,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "core/test_attention_free.py": "pure",
     "core/test_audit.py": "pure",
     "core/test_audit_state.py": "pure",
+    "core/test_discovery.py": "pure",
     "core/test_engine_properties.py": "pure",
     "core/test_engine_reference.py": "pure",
     "core/test_expressions.py": "pure",
@@ -130,6 +131,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     f"{C}/test_merged_saves.py": "sim",
     f"{C}/test_minimal_lookup.py": "sim",
     f"{C}/test_sim_dcp.py": "sim",
+    f"{C}/test_sim_discovery.py": "sim",
     f"{C}/test_sim_layer_kv_heads.py": "sim",
     f"{C}/test_sim_production_worker.py": "sim",
     f"{C}/test_striped_loads.py": "sim",
@@ -140,6 +142,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     # --- real engines, servers, hosts -------------------------------------------------------------
     f"{C}/test_vllm_033.py": "engine",
     "e2e/test_audit_engine.py": "engine",
+    "e2e/test_discovery_engine.py": "engine",
     "e2e/test_hybrid_engine.py": "engine",
     "e2e/test_layer_kv_heads_engine.py": "engine",
     "e2e/test_openai_server.py": "engine",

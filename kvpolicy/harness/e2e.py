@@ -270,6 +270,7 @@ def serve_once(
     python_path: Sequence[str | os.PathLike[str]] = (),
     extra_env: Mapping[str, str] | None = None,
     fork_workers: bool = True,
+    extra_prompts: Sequence[Sequence[int]] = (),
 ) -> EngineResult:
     """Serve *prompt_token_ids* once in a fresh vLLM engine process and return what it produced.
 
@@ -293,6 +294,9 @@ def serve_once(
     steps the engine until the connector's puts are done before it reports, so a following call
     can hit on them.
 
+    *extra_prompts* are served in the same batch as *prompt_token_ids* (their output is not
+    reported): more requests saving in one step, as discovery wants.
+
     Raises :class:`EngineFailed` (with the child's stdout and stderr, and the tail of stderr in the
     message) when the child fails, and kills its process group when it runs past *timeout* seconds.
     """
@@ -310,6 +314,7 @@ def serve_once(
         "dtype": dtype,
         "hybrid": hybrid,
         "fork_workers": fork_workers,
+        "extra_prompts": [[int(token) for token in prompt] for prompt in extra_prompts],
     }
     env = engine_env(tp_size, mooncake_config_path)
     # The engine core runs in the child itself (also at TP>1, where the mp executor still forks
@@ -445,8 +450,9 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
             seed=0,
         )
         started = time.monotonic()
+        prompts = [spec["prompt_token_ids"], *spec.get("extra_prompts", ())]
         outputs = llm.generate(
-            [TokensPrompt(prompt_token_ids=list(spec["prompt_token_ids"]))], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts], params, use_tqdm=False
         )
         generate = time.monotonic() - started
         completion = outputs[0].outputs[0]

@@ -95,11 +95,18 @@ class Archetype:
     """Attention layers whose own KV heads (over all TP ranks) differ from the model-wide count, with
     that count: vLLM's ``model_config.model_arch_config[layer_index].total_num_kv_heads``. Their kinds
     build specs of that many heads; the ground truth repeats their heads over ``tp // heads`` ranks."""
+    kind_factors: Mapping[str, Callable[[int], int]] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    """Kinds whose spec class :func:`physical_factor` does not know (a plugin's state type), with what
+    the model computes for them: tp_size → consecutive TP ranks holding byte-identical bytes. Stated by
+    whoever adds the kind, as :func:`physical_factor` states it for vLLM's own classes."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.layer_kv_heads) - {layer for layer, _ in self.layers})
         if unknown:
             raise ValueError(f"archetype {self.name!r}: layer_kv_heads names layers it does not have: {unknown}")
+        unknown = sorted(set(self.kind_factors) - set(self.kinds))
+        if unknown:
+            raise ValueError(f"archetype {self.name!r}: kind_factors names kinds it does not have: {unknown}")
 
     def kv_heads(self, tp_size: int) -> int:
         """The model-wide KV heads at ``tp_size``."""
@@ -116,8 +123,11 @@ class Archetype:
 
     def true_factors(self, tp_size: int) -> dict[str, int]:
         """Layer name → :func:`physical_factor` at ``tp_size``, with the layer's own KV heads."""
+        kinds = dict(self.layers)
         return {
-            layer: spec_physical_factor(spec, self.layer_heads(layer, tp_size), tp_size)
+            layer: self.kind_factors[kinds[layer]](tp_size)
+            if kinds[layer] in self.kind_factors
+            else spec_physical_factor(spec, self.layer_heads(layer, tp_size), tp_size)
             for layer, spec in self.specs(tp_size).items()
         }
 
@@ -149,8 +159,9 @@ def _mla(kv_lora_rank: int = 64, rope_dim: int = 32) -> SpecBuilder:
     )
 
 
-def _kda(num_heads: int = 4, head_dim: int = 16, conv_kernel: int = 4) -> SpecBuilder:
-    # Kimi Delta Attention state, shaped like KimiGatedDeltaNetAttention.get_kv_cache_spec.
+def _kda(num_heads: int = 8, head_dim: int = 8, conv_kernel: int = 4) -> SpecBuilder:
+    # Kimi Delta Attention state, shaped like KimiGatedDeltaNetAttention.get_kv_cache_spec; 8 heads, so that
+    # it splits evenly up to TP 8, of 8 dims, so that its page stays smaller than an MLA page (never padded).
     return lambda tp_size: MambaSpec(
         block_size=BLOCK_SIZE,
         shapes=MambaStateShapeCalculator.kda_state_shape(tp_size, num_heads, head_dim, conv_kernel_size=conv_kernel),
@@ -174,9 +185,11 @@ def _gdn(num_k_heads: int = 4, num_v_heads: int = 8, head_dim: int = 16, conv_ke
 
 
 def _mamba2(
-    intermediate: int = 128, n_groups: int = 2, num_heads: int = 4, head_dim: int = 32, state: int = 16
+    intermediate: int = 128, n_groups: int = 2, num_heads: int = 8, head_dim: int = 16, state: int = 16
 ) -> SpecBuilder:
-    # Mamba2 SSM + conv state, shaped like MambaMixer2.get_kv_cache_spec.
+    # Mamba2 SSM + conv state, shaped like MambaMixer2.get_kv_cache_spec; 8 heads, so that it splits evenly
+    # up to TP 8, of 16 dims, so that from TP 2 on a state page stays smaller than a 1-KV-head attention page
+    # (vLLM would pad the attention page instead, with bytes no forward pass writes).
     return lambda tp_size: MambaSpec(
         block_size=BLOCK_SIZE,
         shapes=MambaStateShapeCalculator.mamba2_state_shape(tp_size, intermediate, n_groups, num_heads, head_dim, state, 4),

@@ -1,0 +1,301 @@
+"""Discovery's pure half: partitions, the observer, the report document, and proposing a policy.
+
+Observations here are made up from what a model computes (attention heads repeat over ``tp // heads``
+consecutive ranks; recurrent state is distinct on every rank), written as the connector writes them,
+and read back through the same loader ``kvpolicy discover --propose`` uses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpolicy.app.cli import main
+from kvpolicy.discovery import DiscoveryReport, Observer, dump_report, group_layers, meet, partition_of, runs
+from kvpolicy.engine import make_plan
+from kvpolicy.loader import check_text, load_layout, load_policy
+from kvpolicy.models import Layout, Topology
+from kvpolicy.propose import disagreements, load_reports, propose
+
+
+def _truth(layout: Layout, layer: str, spec_classes: tuple[str, ...], tp: int) -> int:
+    """Consecutive ranks holding one layer's bytes, from what the model computes."""
+    if "MambaSpec" in spec_classes:
+        return 1
+    if "MLAAttentionSpec" in spec_classes:
+        return tp
+    return max(1, tp // layout.layer_total_num_kv_heads(layer))
+
+
+def _observe(layout: Layout, tp: int, *, steps: int = 2, blocks: int = 4, factor_of=None, zero: bool = False) -> Observer:
+    """An observer fed ``steps`` steps in which each rank's block ``b`` of layer ``L`` holds the content
+    of its class: ranks ``r`` and ``s`` hold equal bytes exactly when ``r // f == s // f``."""
+    classes = {
+        layer: member.spec.type
+        for group in layout.groups for member in group.members for layer in member.layers
+    }
+    bases = {
+        layer: (member.spec.type, *member.spec.bases)
+        for group in layout.groups for member in group.members for layer in member.layers
+    }
+    observer = Observer(tp, group_layers(layout))
+    for step in range(steps):
+        gathered = []
+        for rank in range(tp):
+            per_group = {}
+            for index, layers in enumerate(group_layers(layout)):
+                per_group[index] = {}
+                for layer in layers:
+                    f = factor_of(layer, classes[layer]) if factor_of else _truth(layout, layer, bases[layer], tp)
+                    per_group[index][layer] = [(f"{layer}/{step}/{b}/{rank // f}", zero) for b in range(blocks)]
+            gathered.append(per_group)
+        observer.observe(gathered)
+    return observer
+
+
+def _write(tmp_path: Path, name: str, layout: Layout, tp: int, **kwargs) -> Path:
+    report = _observe(layout, tp, **kwargs).report(model=layout.model, source="engine", topology=Topology(tp_size=tp),
+                                                   layout=layout)
+    path = tmp_path / name
+    path.write_text(dump_report(report))
+    return path
+
+
+def _propose(*paths: Path):
+    loaded, problems = load_reports([str(path) for path in paths])
+    assert not problems, problems
+    return propose(loaded)
+
+
+# --- partitions ---------------------------------------------------------------------------------
+
+
+def test_ranks_with_equal_values_share_a_class_in_rank_order() -> None:
+    assert partition_of(["b", "a", "b", "c"]) == ((0, 2), (1,), (3,))
+
+
+def test_the_meet_keeps_ranks_together_only_where_both_partitions_do() -> None:
+    assert meet(((0, 1, 2, 3),), ((0, 1), (2, 3))) == ((0, 1), (2, 3))
+    assert meet(((0, 1), (2, 3)), ((0, 2), (1, 3))) == ((0,), (1,), (2,), (3,))
+
+
+def test_runs_are_consecutive_ranks_of_one_size() -> None:
+    assert runs(2, 4) == ((0, 1), (2, 3))
+
+
+# --- the observer --------------------------------------------------------------------------------
+
+
+def test_ranks_equal_in_one_step_but_not_in_another_are_observed_apart() -> None:
+    layout = load_layout("llama-3.1-70b")
+    observer = Observer(2, group_layers(layout))
+    layer = group_layers(layout)[0][0]
+    observer.observe([{0: {layer: [("same", False)]}}, {0: {layer: [("same", False)]}}])
+    observer.observe([{0: {layer: [("x", False)]}}, {0: {layer: [("y", False)]}}])
+    assert observer.layer(0, layer).partition == ((0,), (1,))
+    assert observer.layer(0, layer).evidence.blocks == 2
+
+
+def test_a_block_all_zero_on_some_rank_proves_nothing() -> None:
+    layout = load_layout("llama-3.1-70b")
+    observer = Observer(2, group_layers(layout))
+    layer = group_layers(layout)[0][0]
+    observer.observe([{0: {layer: [("z", True)]}}, {0: {layer: [("a", False)]}}])
+    observed = observer.layer(0, layer)
+    assert observed.partition == () and observed.evidence.blocks == 0 and observed.evidence.zero_blocks == 1
+
+
+def test_a_step_in_which_a_rank_could_not_read_its_blocks_is_counted_and_ignored() -> None:
+    layout = load_layout("llama-3.1-70b")
+    observer = Observer(2, group_layers(layout))
+    layer = group_layers(layout)[0][0]
+    observer.observe([{0: {layer: [("a", False)]}}, None])
+    report = observer.report(model="m", source="engine", topology=Topology(tp_size=2), layout=layout)
+    assert report.steps == 0 and report.failed_steps == 1
+    assert report.groups[0].layers[0].evidence.blocks == 0
+
+
+def test_a_report_reads_back_equal_to_what_was_written() -> None:
+    layout = load_layout("qwen3-next-80b-a3b")
+    report = _observe(layout, 4).report(model=layout.model, source="engine", topology=Topology(tp_size=4), layout=layout)
+    document, problems = check_text(dump_report(report), "report.yaml")
+    assert problems == [] and document == report
+
+
+def test_a_report_whose_partition_misses_a_rank_is_refused_where_it_stands() -> None:
+    layout = load_layout("llama-3.1-70b")
+    text = dump_report(_observe(layout, 2).report(model="m", source="engine", topology=Topology(tp_size=2), layout=layout))
+    broken = text.replace("partition: [[0], [1]]", "partition: [[0]]", 1)
+    document, problems = check_text(broken, "report.yaml")
+    assert document is None
+    assert any(problem.code == "KVP104" and "not a partition of the TP ranks" in problem.message for problem in problems)
+
+
+def test_a_report_is_a_versioned_document_of_its_own_kind() -> None:
+    assert DiscoveryReport.model_fields["kind"].annotation.__args__ == ("DiscoveryReport",)  # type: ignore[union-attr]
+
+
+# --- proposing -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout_name", ["qwen3-next-80b-a3b", "nemotron-h-8b", "gpt-oss-120b", "llama-3.1-70b",
+                                         "gemma-4-26b-a4b", "deepseek-v3", "kimi-linear-48b-a3b"])
+def test_a_proposal_from_tp_2_and_4_reproduces_tp_8(tmp_path: Path, layout_name: str) -> None:
+    layout = load_layout(layout_name)
+    proposal, refusals = _propose(_write(tmp_path, "2.yaml", layout, 2), _write(tmp_path, "4.yaml", layout, 4))
+    assert proposal is not None, refusals
+    at_8 = _observe(layout, 8).report(model=layout.model, source="engine", topology=Topology(tp_size=8), layout=layout)
+    assert disagreements(proposal.policy, at_8) == []
+
+
+def test_a_proposal_plans_each_layer_with_the_observed_factor_where_default_would_not(tmp_path: Path) -> None:
+    """A model whose Mamba state is, unusually, the same on every rank: ``default`` shards it (writes it
+    on every rank); the observation says otherwise and the proposal replicates it."""
+    layout = load_layout("nemotron-h-8b")
+
+    def factor(layer: str, spec: str) -> int:
+        return 2 if spec == "MambaSpec" else 1
+
+    path = _write(tmp_path, "r.yaml", layout, 2, factor_of=factor)
+    report = load_reports([str(path)])[0][0].report
+    assert disagreements(load_policy("default"), report)
+    proposal, _ = _propose(path)
+    assert proposal is not None and disagreements(proposal.policy, report) == []
+
+
+TWO_MAMBA_KINDS = """
+version: 1
+kind: ModelLayout
+model: two-mamba-kinds
+total_num_kv_heads: 2
+groups:
+  - name: replicated-conv
+    spec: {type: MambaSpec, bases: [KVCacheSpec], block_size: 16, page_size_bytes: 4096, fields: {tp_replicated: true}}
+    layers: [layers.0.conv, layers.2.conv]
+  - name: state
+    spec: {type: MambaSpec, bases: [KVCacheSpec], block_size: 16, page_size_bytes: 4096, fields: {tp_replicated: false}}
+    layers: [layers.1.mixer, layers.3.mixer]
+"""
+
+
+def test_groups_of_one_class_that_differ_are_told_apart_by_a_field(tmp_path: Path) -> None:
+    layout, problems = check_text(TWO_MAMBA_KINDS, "layout.yaml")
+    assert isinstance(layout, Layout), problems
+
+    def factor(layer: str, spec: str) -> int:
+        return TP if layer.endswith(".conv") else 1
+
+    paths = []
+    for TP in (2, 4):
+        paths.append(_write(tmp_path, f"{TP}.yaml", layout, TP, factor_of=factor))
+    proposal, refusals = _propose(*paths)
+    assert proposal is not None, refusals
+    by_field = {rule.match.fields.get("tp_replicated"): rule.replication for rule in proposal.policy.rules}
+    assert by_field == {True: "replicated", False: "sharded"}
+
+
+def test_layers_of_one_class_no_field_tells_apart_get_rules_by_layer_name(tmp_path: Path) -> None:
+    layout = load_layout("llama-3.1-70b")
+    layers = group_layers(layout)[0]
+    odd = set(layers[1::2])
+
+    def factor(layer: str, spec: str) -> int:
+        return 2 if layer in odd else 1
+
+    path = _write(tmp_path, "r.yaml", layout, 2, factor_of=factor)
+    proposal, refusals = _propose(path)
+    assert proposal is not None, refusals
+    assert any(rule.match.layers for rule in proposal.policy.rules)
+    assert disagreements(proposal.policy, load_reports([str(path)])[0][0].report) == []
+
+
+def test_thin_evidence_is_refused_at_its_line_and_no_policy_is_proposed(tmp_path: Path) -> None:
+    layout = load_layout("llama-3.1-70b")
+    path = _write(tmp_path, "r.yaml", layout, 2, steps=1, blocks=2)
+    proposal, refusals = _propose(path)
+    assert proposal is None
+    assert [refusal.code for refusal in refusals] == ["KVP401"]
+    line = path.read_text().splitlines()[refusals[0].line - 1]
+    assert line.strip().startswith("evidence:")
+
+
+def test_all_zero_blocks_are_thin_evidence(tmp_path: Path) -> None:
+    layout = load_layout("llama-3.1-70b")
+    proposal, refusals = _propose(_write(tmp_path, "r.yaml", layout, 2, zero=True))
+    assert proposal is None and {refusal.code for refusal in refusals} == {"KVP401"}
+
+
+def test_a_strided_partition_no_factor_expresses_is_refused(tmp_path: Path) -> None:
+    layout = load_layout("llama-3.1-70b")
+    text = _write(tmp_path, "r.yaml", layout, 4).read_text().replace("[[0], [1], [2], [3]]", "[[0, 2], [1, 3]]")
+    path = tmp_path / "strided.yaml"
+    path.write_text(text)
+    proposal, refusals = _propose(path)
+    assert proposal is None and {refusal.code for refusal in refusals} == {"KVP402"}
+    assert "[[0, 2], [1, 3]]" in refusals[0].message
+
+
+def test_reports_that_contradict_each_other_are_refused(tmp_path: Path) -> None:
+    layout = load_layout("llama-3.1-70b")
+    first = _write(tmp_path, "a.yaml", layout, 2, factor_of=lambda layer, spec: 1)
+    second = _write(tmp_path, "b.yaml", layout, 2, factor_of=lambda layer, spec: 2)
+    proposal, refusals = _propose(first, second)
+    assert proposal is None and {refusal.code for refusal in refusals} == {"KVP403"}
+
+
+def test_refusals_stay_one_per_group_however_many_layers_are_thin(tmp_path: Path) -> None:
+    layout = load_layout("llama-3.1-70b")  # 80 layers in one group
+    proposal, refusals = _propose(_write(tmp_path, "r.yaml", layout, 2, steps=1, blocks=1))
+    assert proposal is None and len(refusals) == 1 and "79 more layers" in refusals[0].message
+
+
+def test_a_rule_names_its_evidence_in_a_comment(tmp_path: Path) -> None:
+    layout = load_layout("qwen3-next-80b-a3b")
+    proposal, _ = _propose(_write(tmp_path, "2.yaml", layout, 2), _write(tmp_path, "4.yaml", layout, 4))
+    assert proposal is not None
+    comments = [line for line in proposal.text.splitlines() if line.strip().startswith("#   ")]
+    assert any("at tp 2" in line and "2.yaml" in line for line in comments)
+    assert any("at tp 4" in line and "4.yaml" in line for line in comments)
+
+
+def test_the_proposal_plans_every_example_layout_it_was_not_observed_on_without_error(tmp_path: Path) -> None:
+    layout = load_layout("qwen3-next-80b-a3b")
+    proposal, _ = _propose(_write(tmp_path, "2.yaml", layout, 2), _write(tmp_path, "4.yaml", layout, 4))
+    assert proposal is not None
+    make_plan(proposal.policy, load_layout("deepseek-v3"), Topology(tp_size=8))  # unmatched specs stay sharded
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+
+def test_discover_propose_writes_the_policy_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    layout = load_layout("qwen3-next-80b-a3b")
+    out = tmp_path / "proposed.yaml"
+    code = main(["discover", "--propose", str(_write(tmp_path, "2.yaml", layout, 2)),
+                 str(_write(tmp_path, "4.yaml", layout, 4)), "--output", str(out), "--name", "qwen3-next"])
+    assert code == 0
+    assert load_policy(out).name == "qwen3-next"
+
+
+def test_discover_propose_refusing_writes_nothing_and_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "proposed.yaml"
+    code = main(["discover", "--propose", str(_write(tmp_path, "r.yaml", load_layout("llama-3.1-70b"), 2, blocks=1)),
+                 "--output", str(out)])
+    assert code == 1 and not out.exists()
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 1 and printed[0].endswith("[KVP401]") and printed[0].startswith(str(tmp_path))
+
+
+def test_discover_check_exits_1_when_a_policy_departs_from_the_observation(tmp_path: Path, capsys) -> None:
+    layout = load_layout("nemotron-h-8b")
+    path = _write(tmp_path, "r.yaml", layout, 2)
+    assert main(["discover", "--check", "default", str(path)]) == 0
+    wrong = Path(__file__).resolve().parents[2] / "examples" / "policies" / "wrong-recurrent-replicated.yaml"
+    assert main(["discover", "--check", str(wrong), str(path)]) == 1
+    assert "planned head factor 2, observed 1" in capsys.readouterr().out
+
+
+def test_discover_propose_on_a_file_that_is_not_a_report_says_so(tmp_path: Path, capsys) -> None:
+    assert main(["discover", "--propose", str(Path(__file__).resolve().parents[2] / "policies" / "default.yaml")]) == 1
+    assert "expected a DiscoveryReport, found a ReplicationPolicy" in capsys.readouterr().out
