@@ -3,7 +3,7 @@
 Each generator returns Markdown for one marker of the documentation site (``<!-- kvpolicy-reference:
 NAME -->`` in a page under ``docs/``; ``docs/hooks.py`` calls :func:`expand` while MkDocs builds):
 
-- ``policy-format`` / ``layout-format``: the documents' fields, from the JSON Schemas of the pydantic
+- ``policy-format`` / ``layout-format`` / ``discovery-format``: the documents' fields, from the JSON Schemas of the pydantic
   models (their attribute docstrings: the same text as ``schemas/``);
 - ``diagnostics``: every check of :mod:`kvpolicy.diagnostics` with its explanation and its example,
   run through the CLI (``kvpolicy rule CODE`` prints the same, :func:`rule_text`);
@@ -32,6 +32,7 @@ from pydantic import BaseModel
 
 from kvpolicy import schema
 from kvpolicy.diagnostics import CHECKS, CHECKS_BY_CODE, CHECKS_BY_NAME, Check, Example
+from kvpolicy.discovery import DiscoveryReport
 from kvpolicy.models import Layout, Policy
 from kvpolicy.settings import KVPolicySettings
 
@@ -418,6 +419,7 @@ def metrics_markdown() -> str:
 GENERATORS: dict[str, Callable[[], str]] = {
     "policy-format": lambda: format_markdown(Policy),
     "layout-format": lambda: format_markdown(Layout),
+    "discovery-format": lambda: format_markdown(DiscoveryReport),
     "diagnostics": diagnostics_markdown,
     "cli": cli_markdown,
     "settings": settings_markdown,

@@ -66,9 +66,6 @@ class RankDiscovery:
         """Whether the next step that saves blocks is observed (the same answer on every rank)."""
         return self._observed < self.steps
 
-    def layers(self, group: int) -> tuple[str, ...]:
-        return group_layers(self.layout)[group]
-
     def observe_step(self, collect: Callable[[], Mapping[int, Mapping[str, Sequence[BlockDigest]]]]) -> None:
         """One observed step: this rank's digests (``collect()``), the gather, and on rank 0 the
         observation and the report. Call it on every rank of the step, or on none."""
@@ -82,14 +79,20 @@ class RankDiscovery:
             logger.exception("kvpolicy discover: this rank could not digest its blocks; the step proves nothing")
         digested = time.perf_counter()
         gathered = list(self._gather(local))
+        gathered_at = time.perf_counter()
         self._observed += 1
         self.cost.digest += digested - started
-        self.cost.gather += time.perf_counter() - digested
+        self.cost.gather += gathered_at - digested
         self.cost.steps += 1
         if self._observer is None:
             return
         self._observer.observe([_decoded(payload) for payload in gathered])
         self._write()
+        blocks = sum(len(digests) for layers in (local or {}).values() for digests in layers.values())
+        logger.info(
+            "kvpolicy discover step %d/%d: %d layer blocks per rank; digest %.2f ms, gather %.2f ms",
+            self._observed, self.steps, blocks, 1e3 * (digested - started), 1e3 * (gathered_at - digested),
+        )
         if not self.observing:
             logger.info(
                 "kvpolicy discover: %d steps observed, report written to %s (digest %.2f ms, gather %.2f ms per step)",

@@ -142,3 +142,14 @@ def test_observing_changes_nothing_that_is_stored(mooncake_master: Any, clients:
             stored.append(sorted((rank, key.replace(fleet.run_id, ""), code) for rank, key, code in outcome.puts))
     assert stored[0] == stored[1] and stored[0]
     assert isinstance(_loaded(tmp_path / "r.yaml")[0].report, DiscoveryReport)
+
+
+def test_discover_observes_a_layout_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3-Next: Gated DeltaNet state split over the ranks, attention of 2 KV heads repeated over pairs at TP 4."""
+    from kvpolicy.app.cli import main
+
+    assert main(["discover", "--layout", "qwen3-next-80b-a3b", "--tp", "4", "--out", str(tmp_path)]) == 0
+    (loaded,) = _loaded(tmp_path / "qwen3-next-80b-a3b-tp4.yaml")
+    assert [group.partition for group in loaded.report.groups] == [runs(1, 4)] * 3 + [runs(2, 4)]
+    printed = capsys.readouterr().out
+    assert "group 3 full-attention (FullAttentionSpec): equal bytes in [[0, 1], [2, 3]] (factor 2)" in printed

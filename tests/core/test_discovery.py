@@ -299,3 +299,15 @@ def test_discover_check_exits_1_when_a_policy_departs_from_the_observation(tmp_p
 def test_discover_propose_on_a_file_that_is_not_a_report_says_so(tmp_path: Path, capsys) -> None:
     assert main(["discover", "--propose", str(Path(__file__).resolve().parents[2] / "policies" / "default.yaml")]) == 1
     assert "expected a DiscoveryReport, found a ReplicationPolicy" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["discover"], ["discover", "--propose"], ["discover", "--archetype", "mla"], ["discover", "--check", "default"],
+     ["discover", "--propose", "r.yaml", "--tp", "2"], ["discover", "--archetype", "mla", "--tp", "2", "r.yaml"]],
+)
+def test_discover_without_what_it_needs_is_a_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "kvpolicy discover: error:" in capsys.readouterr().err

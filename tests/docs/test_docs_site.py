@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from kvpolicy.app import reference
 from kvpolicy.app.cli import build_parser, main
 from kvpolicy.diagnostics import CHECKS
+from kvpolicy.discovery import DiscoveryReport
 from kvpolicy.loader import check_text
 from kvpolicy.models import Layout, Policy
 from kvpolicy.settings import KVPolicySettings
@@ -218,7 +219,7 @@ def section(markdown: str, title: str) -> str:
     return found.group(1)
 
 
-@pytest.mark.parametrize("document", [Policy, Layout], ids=["policy", "layout"])
+@pytest.mark.parametrize("document", [Policy, Layout, DiscoveryReport], ids=["policy", "layout", "discovery"])
 def test_the_format_reference_lists_every_field_of_every_model_with_its_docstring(document: type[BaseModel]) -> None:
     markdown = reference.format_markdown(document)
     for model in models_of(document):
