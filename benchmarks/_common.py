@@ -100,3 +100,22 @@ def example_layouts(names: Sequence[str] | None = None) -> list[tuple[str, Any]]
         if missing:
             raise SystemExit(f"unknown layout(s): {', '.join(sorted(missing))}")
     return [(path.stem, load_layout(path)) for path in paths]
+
+
+def group_block_caches(group: Any, blocks: int) -> tuple[dict[str, Any], Any, Any]:
+    """CPU KV tensors holding ``blocks`` random blocks of every layer of a planned group (real page
+    sizes: the group's bytes per token per rank over its chunk), with vLLM's token database over them
+    and kvpolicy's block reader: ``(caches by layer name, database, reader)``, blocks 1..``blocks``."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import ChunkedTokenDatabase, KeyMetadata
+
+    from kvpolicy.device.blocks import BlockReader
+
+    layers = [decision.layer for decision in group.decisions]
+    page = int(group.bytes_per_token_per_rank * group.chunk_tokens / len(layers))
+    generator = torch.Generator().manual_seed(group.index)
+    caches = {name: torch.randint(0, 256, (blocks + 1, page), dtype=torch.uint8, generator=generator) for name in layers}
+    database = ChunkedTokenDatabase(KeyMetadata("bench", 0, 0, 0, 0), group.chunk_tokens)
+    database.set_kv_caches_base_addr([tensor.data_ptr() for tensor in caches.values()])
+    database.set_block_len([page] * len(layers))
+    return caches, database, BlockReader(caches)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import REPO, table  # noqa: E402
+from _common import REPO, group_block_caches, table  # noqa: E402
 
 STEP_LINE = re.compile(
     r"kvpolicy audit step (\d+)/(\d+): (\d+) blocks per rank \((.*?)\); "
@@ -148,14 +148,11 @@ def engine_part(args: argparse.Namespace) -> None:
 
 
 def digest_part(args: argparse.Namespace) -> None:
-    import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import ChunkedTokenDatabase, KeyMetadata
-
     from kvpolicy.audit import audited_groups
     from kvpolicy.engine import make_plan
     from kvpolicy.loader import layouts_dir, load_layout, load_policy
     from kvpolicy.models import Topology
-    from kvpolicy.vllm.audit import AUDIT_BLOCKS_PER_REQUEST, AUDIT_REQUESTS_PER_STEP, BlockReader, local_digests
+    from kvpolicy.vllm.audit import AUDIT_BLOCKS_PER_REQUEST, AUDIT_REQUESTS_PER_STEP, local_digests
 
     blocks = AUDIT_REQUESTS_PER_STEP * AUDIT_BLOCKS_PER_REQUEST
     body = []
@@ -167,15 +164,7 @@ def digest_part(args: argparse.Namespace) -> None:
             layers = len(group.decisions)
             block_size = group.chunk_tokens
             page = int(group.bytes_per_token_per_rank * block_size / layers)
-            generator = torch.Generator().manual_seed(index)
-            caches = {
-                f"layer.{layer}": torch.randint(0, 256, (blocks + 1, page), dtype=torch.uint8, generator=generator)
-                for layer in range(layers)
-            }
-            database = ChunkedTokenDatabase(KeyMetadata("bench", 0, 0, 0, 0), block_size)
-            database.set_kv_caches_base_addr([tensor.data_ptr() for tensor in caches.values()])
-            database.set_block_len([page] * layers)
-            reader = BlockReader(caches)
+            _, database, reader = group_block_caches(group, blocks)
             timings = []
             for _ in range(args.digest_repeat):
                 started = time.perf_counter()

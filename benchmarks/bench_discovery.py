@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import table  # noqa: E402
+from _common import group_block_caches, table  # noqa: E402
 
 STEP_LINE = re.compile(r"kvpolicy discover step (\d+)/(\d+): (\d+) layer blocks per rank; digest ([\d.]+) ms, gather ([\d.]+) ms")
 MODELS = ("llama", "qwen3-next")
@@ -98,10 +98,7 @@ def engine_part(args: argparse.Namespace) -> None:
 
 
 def digest_part(args: argparse.Namespace) -> None:
-    import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import ChunkedTokenDatabase, KeyMetadata
-
-    from kvpolicy.device.blocks import BlockReader, local_digests, local_layer_digests
+    from kvpolicy.device.blocks import local_digests, local_layer_digests
     from kvpolicy.engine import make_plan
     from kvpolicy.loader import layouts_dir, load_layout, load_policy
     from kvpolicy.models import Topology
@@ -116,15 +113,8 @@ def digest_part(args: argparse.Namespace) -> None:
             layers = len(group.decisions)
             block_size = group.chunk_tokens
             page = int(group.bytes_per_token_per_rank * block_size / layers)
-            generator = torch.Generator().manual_seed(group.index)
             names = [decision.layer for decision in group.decisions]
-            caches = {
-                name: torch.randint(0, 256, (blocks + 1, page), dtype=torch.uint8, generator=generator) for name in names
-            }
-            database = ChunkedTokenDatabase(KeyMetadata("bench", 0, 0, 0, 0), block_size)
-            database.set_kv_caches_base_addr([tensor.data_ptr() for tensor in caches.values()])
-            database.set_block_len([page] * layers)
-            reader = BlockReader(caches)
+            _, database, reader = group_block_caches(group, blocks)
             chosen = {0: list(range(1, blocks + 1))}
             timings: dict[str, list[float]] = {"group": [], "layer": []}
             for _ in range(args.digest_repeat):
@@ -149,7 +139,9 @@ def digest_part(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=896, help="tokens per prompt (4 prompts per engine; the tiny models take 1024 positions)")
+    parser.add_argument(
+        "--tokens", type=int, default=896, help="tokens per prompt (4 prompts per engine; the tiny models take 1024 positions)"
+    )
     parser.add_argument("--repeat", type=int, default=1, help="engine runs per (model, discovery) configuration")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--digest-tp", type=int, default=8)
