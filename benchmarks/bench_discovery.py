@@ -7,9 +7,10 @@ TP=2: a tiny Llama (1 KV head) and a tiny Qwen3-Next (1 KV head, Gated DeltaNet 
 of ``--tokens`` tokens in one batch, ``max_tokens=1`` so that ``generate`` is the prefill. One engine
 with discovery on (4 steps), one with it off, the same policy (``default``): the baseline is measured
 in the same run. Discovery's own numbers come from rank 0's line per observed step (``kvpolicy discover
-step k/N: B layer blocks per rank; digest X ms, gather Y ms``): digest = reading and hashing this
-rank's blocks per layer, gather = the ``all_gather_object`` of every rank's digests over the TP
-group's gloo group (it also waits for the slowest rank).
+step k/N: B layer blocks per rank; digest X ms, gather Y ms, report Z ms``): digest = reading and
+hashing this rank's blocks per layer, gather = the ``all_gather_object`` of every rank's digests over
+the TP group's gloo group (it also waits for the slowest rank), report = rank 0 folding them into its
+observation and rewriting the report file.
 
 **digest** — the per-layer digest against the audit's per-group digest of the same bytes, for real
 models' block sizes: every group of each example layout at ``--digest-tp``, the blocks of one step
@@ -18,6 +19,9 @@ models' block sizes: every group of each example layout at ``--digest-tp``, the 
 tensors by :func:`~kvpolicy.device.blocks.local_layer_digests` (discovery) and
 :func:`~kvpolicy.device.blocks.local_digests` (the audit). On a GPU add one device-to-host copy per
 layer and block (the audit copies once per group).
+
+**report** — rank 0's rewrite of the report after an observed step, for each example layout (all its
+layers) at ``--digest-tp``: what the tiny engines above cannot show for a real model's layer count.
 
     python benchmarks/bench_discovery.py [--tokens 896] [--repeat 1] [--skip-engine] [--digest-tp 8]
 """
@@ -36,7 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import group_block_caches, table  # noqa: E402
 
-STEP_LINE = re.compile(r"kvpolicy discover step (\d+)/(\d+): (\d+) layer blocks per rank; digest ([\d.]+) ms, gather ([\d.]+) ms")
+STEP_LINE = re.compile(
+    r"kvpolicy discover step (\d+)/(\d+): (\d+) layer blocks per rank; digest ([\d.]+) ms, gather ([\d.]+) ms, "
+    r"report ([\d.]+) ms"
+)
 MODELS = ("llama", "qwen3-next")
 
 
@@ -87,14 +94,15 @@ def engine_part(args: argparse.Namespace) -> None:
             steps = [step for run in runs for step in run[3]]
             digest = statistics.median(float(step[3]) for step in steps) if steps else 0.0
             gather = statistics.median(float(step[4]) for step in steps) if steps else 0.0
+            written = statistics.median(float(step[5]) for step in steps) if steps else 0.0
             body.append((
                 arch, mode, f"{prefill:.0f}", f"{prefill / baseline:.3f}", len(steps) // max(1, len(runs)),
                 "-" if not steps else steps[0][2], "-" if not steps else f"{digest:.2f}",
-                "-" if not steps else f"{gather:.2f}",
-                "-" if not steps else f"{(digest + gather) / prefill * 100:.2f}%",
+                "-" if not steps else f"{gather:.2f}", "-" if not steps else f"{written:.2f}",
+                "-" if not steps else f"{(digest + gather + written) / prefill * 100:.2f}%",
             ))
     print(table(("model", "discovery", "prefill ms", "vs off", "observed steps", "layer blocks/rank/step",
-                 "digest ms/step", "gather ms/step", "of prefill"), body))
+                 "digest ms/step", "gather ms/step", "report ms/step", "of prefill"), body))
 
 
 def digest_part(args: argparse.Namespace) -> None:
@@ -137,6 +145,32 @@ def digest_part(args: argparse.Namespace) -> None:
                  "discovery (per layer) ms", "ratio"), body))
 
 
+def report_part(args: argparse.Namespace) -> None:
+    from kvpolicy.discovery import Observer, dump_report, group_layers
+    from kvpolicy.loader import layouts_dir, load_layout
+    from kvpolicy.models import Topology
+
+    body = []
+    for path in sorted(layouts_dir().glob("*.yaml")):
+        layout = load_layout(path)
+        layers = group_layers(layout)
+        observer = Observer(args.digest_tp, layers)
+        step = [{group: {layer: [(f"{layer}/{block}/{rank}", False) for block in range(8)] for layer in names}
+                 for group, names in enumerate(layers)} for rank in range(args.digest_tp)]
+        timings = []
+        for _ in range(args.digest_repeat):
+            started = time.perf_counter()
+            observer.observe(step)
+            text = dump_report(observer.report(model=layout.model, source="engine",
+                                               topology=Topology(tp_size=args.digest_tp), layout=layout))
+            timings.append(time.perf_counter() - started)
+        body.append((path.stem, sum(map(len, layers)), f"{len(text) / 1e3:.0f}", f"{statistics.median(timings) * 1e3:.1f}"))
+    print()
+    print(f"report: rank 0 folding one step's digests (8 blocks per layer) into its observation and rewriting the "
+          f"report, tp={args.digest_tp}")
+    print(table(("layout", "layers", "report KB", "ms/step"), body))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -150,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_engine:
         engine_part(args)
     digest_part(args)
+    report_part(args)
     return 0
 
 

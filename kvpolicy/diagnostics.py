@@ -262,7 +262,8 @@ CHECKS: tuple[Check, ...] = (
         "Two discovery reports saw one layer of one model at one TP size with different partitions.",
         "Observations of the same layer at the same TP size must agree; when they do not (two models whose layers "
         "share names but not their heads, a report of another model version), `kvpolicy discover --propose` does "
-        "not pick one. Propose from the reports of one model, or rename the layers apart.",
+        "not pick one. Propose from the reports of one model version at a time, and write one policy per model "
+        "where their layers disagree.",
         Example(files=(("a.yaml", _report()), ("b.yaml", _report(partition="[[0], [1]]"))),
                 argv=("discover", "--propose", "a.yaml", "b.yaml")),
     ),

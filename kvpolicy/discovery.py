@@ -19,12 +19,14 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, StrictInt, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from kvpolicy.dumper import flow, layout_data, yaml_text
 from kvpolicy.models import DocumentVersion, Layout, StrictModel, Topology
 
 __all__ = [
+    "MAX_DISTINCT_TRACKED",
     "BlockDigest",
     "DiscoveryReport",
     "Evidence",
@@ -34,8 +36,11 @@ __all__ = [
     "Partition",
     "RankObservation",
     "dump_report",
+    "group_layers",
     "meet",
+    "parse_partition",
     "partition_of",
+    "report_problems",
     "runs",
 ]
 
@@ -79,13 +84,13 @@ def runs(size: int, tp_size: int) -> Partition:
 class Evidence(StrictModel):
     """What an observed partition rests on."""
 
-    steps: int = Field(ge=0)
+    steps: StrictInt = Field(ge=0)
     """Observed steps that compared at least one block of this layer (or group)."""
-    blocks: int = Field(ge=0)
+    blocks: StrictInt = Field(ge=0)
     """Blocks compared across every TP rank with non-zero bytes on each: the evidence."""
-    zero_blocks: int = Field(ge=0)
+    zero_blocks: StrictInt = Field(ge=0)
     """Blocks all zero on some rank: an unwritten cache is identical everywhere, so they prove nothing."""
-    distinct_blocks: int = Field(ge=0)
+    distinct_blocks: StrictInt = Field(ge=0)
     """Distinct contents among the compared blocks (rank 0's digests; counted up to 4096). Equal bytes
     seen over one repeated content say little about the next one."""
 
@@ -95,7 +100,7 @@ class LayerObservation(StrictModel):
 
     name: str
     """The layer's name, as in the layout."""
-    partition: tuple[tuple[int, ...], ...]
+    partition: tuple[tuple[StrictInt, ...], ...] = Field(max_length=4096)
     """TP ranks in classes of byte-identical blocks (empty: nothing compared)."""
     evidence: Evidence
     """What the partition rests on."""
@@ -104,11 +109,11 @@ class LayerObservation(StrictModel):
 class GroupObservation(StrictModel):
     """One KV-cache group's observation: its layers', and the group's own (their meet)."""
 
-    index: int = Field(ge=0)
+    index: StrictInt = Field(ge=0)
     """The group's index (its ``@group:`` number in store keys)."""
     name: str = ""
     """The group's name in the layout (may be empty)."""
-    partition: tuple[tuple[int, ...], ...]
+    partition: tuple[tuple[StrictInt, ...], ...] = Field(max_length=4096)
     """TP ranks in classes holding the same bytes in every layer of the group (empty: nothing compared)."""
     evidence: Evidence
     """Summed over the group's layers (``steps``: steps that compared any of its blocks)."""
@@ -130,9 +135,9 @@ class DiscoveryReport(StrictModel):
     ``kvpolicy discover`` on simulated ranks holding the bytes the model holds."""
     topology: Topology
     """The instance's parallel layout."""
-    steps: int = Field(ge=0)
+    steps: StrictInt = Field(ge=0)
     """Save steps observed in which every rank read its blocks."""
-    failed_steps: int = Field(default=0, ge=0)
+    failed_steps: StrictInt = Field(default=0, ge=0)
     """Save steps observed in which some rank could not read its blocks: they prove nothing (the
     rank's log says why)."""
     layout: Layout
@@ -142,24 +147,71 @@ class DiscoveryReport(StrictModel):
     """One entry per group of ``layout``, in order."""
 
     @model_validator(mode="after")
-    def _partitions_of_the_tp_ranks(self) -> DiscoveryReport:
-        tp_ranks = list(range(self.topology.tp_size))
-        if len(self.groups) != len(self.layout.groups):
-            raise ValueError(f"lists {len(self.groups)} groups; the layout has {len(self.layout.groups)}")
-        for position, group in enumerate(self.groups):
-            if group.index != position:
-                raise ValueError(f"groups[{position}] has index {group.index}; groups are listed in order")
-            expected = [layer for member in self.layout.groups[position].members for layer in member.layers]
-            listed = [layer.name for layer in group.layers]
-            if listed != expected:
-                raise ValueError(f"group {position} lists layers {_short(listed)}; the layout's are {_short(expected)}")
-            for what, partition in (("group", group.partition), *((layer.name, layer.partition) for layer in group.layers)):
-                if partition and sorted(rank for members in partition for rank in members) != tp_ranks:
-                    raise ValueError(
-                        f"group {position} ({what}): partition {[list(c) for c in partition]} is not a partition of "
-                        f"the TP ranks 0..{self.topology.tp_size - 1}"
-                    )
+    def _consistent(self) -> DiscoveryReport:
+        problems = report_problems(self)
+        if problems:
+            raise ValidationError.from_exception_data(type(self).__name__, [
+                InitErrorDetails(type=PydanticCustomError("invalid-value", "{message}", {"message": message}),
+                                 loc=location, input=None)
+                for location, message in problems[:100]
+            ])
         return self
+
+
+Location = tuple[str | int, ...]
+"""Where in a report a problem is: the keys and list indices leading to it."""
+
+
+def report_problems(report: DiscoveryReport) -> list[tuple[Location, str]]:
+    """What makes a well-formed report inconsistent, each where it stands: groups that are not the
+    layout's, partitions that are not partitions of the TP ranks, a group's partition or evidence that
+    is not what its layers' make. The model refuses such a report, and ``kvpolicy validate`` locates
+    each problem (KVP104); the connector's reports have none."""
+    problems: list[tuple[Location, str]] = []
+    tp_size = report.topology.tp_size
+    if len(report.groups) != len(report.layout.groups):
+        return [(("groups",), f"lists {len(report.groups)} groups; the report's layout has {len(report.layout.groups)}")]
+
+    def check_partition(where: Location, partition: Partition) -> bool:
+        ranks = [rank for members in partition for rank in members]
+        if partition and sorted(ranks) != list(range(tp_size)):
+            problems.append((where, f"{_listed(partition)} is not a partition of the TP ranks 0..{tp_size - 1} "
+                                    "(each rank in exactly one class)"))
+            return False
+        return True
+
+    for position, group in enumerate(report.groups):
+        at: Location = ("groups", position)
+        if group.index != position:
+            problems.append(((*at, "index"), f"index {group.index} at position {position}; groups are listed in order"))
+        expected = [layer for member in report.layout.groups[position].members for layer in member.layers]
+        listed = [layer.name for layer in group.layers]
+        if listed != expected:
+            problems.append(((*at, "layers"), f"group {position} lists layers {_short(listed)}; its layout's are {_short(expected)}"))
+            continue
+        valid = check_partition((*at, "partition"), group.partition)
+        meets: Partition | None = None
+        for index, layer in enumerate(group.layers):
+            if not check_partition((*at, "layers", index, "partition"), layer.partition):
+                valid = False
+            elif bool(layer.partition) != (layer.evidence.blocks > 0):
+                problems.append(((*at, "layers", index, "partition"),
+                                 f"layer {layer.name}: a partition needs compared blocks and compared blocks a partition "
+                                 f"({layer.evidence.blocks} compared)"))
+            elif layer.partition:
+                meets = layer.partition if meets is None else meet(meets, layer.partition)
+        if valid and group.partition != (meets or ()):
+            problems.append(((*at, "partition"), f"group {position}: {_listed(group.partition)} is not the meet of its "
+                                                 f"layers' partitions, {_listed(meets or ())}"))
+        sums = (sum(layer.evidence.blocks for layer in group.layers), sum(layer.evidence.zero_blocks for layer in group.layers))
+        if (group.evidence.blocks, group.evidence.zero_blocks) != sums:
+            problems.append(((*at, "evidence"), f"group {position}: {group.evidence.blocks} blocks and "
+                                                f"{group.evidence.zero_blocks} all-zero are not its layers' sums, {sums[0]} and {sums[1]}"))
+    return problems
+
+
+def _listed(partition: Partition) -> str:
+    return str([list(members) for members in partition])
 
 
 def _short(names: Sequence[str]) -> str:

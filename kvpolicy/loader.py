@@ -154,7 +154,7 @@ def _read_bounded(path: str | FilePath) -> str:
     except ValueError:  # what the OS cannot even be asked: a path holding a NUL character
         raise unreadable("cannot read file: the path contains a NUL character; give a file name without one") from None
     if len(data) > MAX_DOCUMENT_BYTES:
-        raise unreadable(f"file is larger than {MAX_DOCUMENT_BYTES} bytes; a policy or layout is a few KiB")
+        raise unreadable(f"file is larger than {MAX_DOCUMENT_BYTES} bytes; a policy, layout or discovery report is a few KiB")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:

@@ -262,7 +262,9 @@ def _validated_frozen(items: dict[Any, Any]) -> FrozenMapping[Any, Any]:
     return frozen
 
 
-_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
+NAME_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
+"""A policy's or rule's name: kebab-case."""
+_NAME_PATTERN = NAME_PATTERN
 
 
 def _as_tuple(value: Any) -> Any:

@@ -29,10 +29,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpolicy.diagnostics import Diagnostic, DocumentError, PlanError
-from kvpolicy.discovery import DiscoveryReport, Partition, parse_partition
+from kvpolicy.diagnostics import Diagnostic, DocumentError, PlanError, printable_path
+from kvpolicy.discovery import DiscoveryReport, LayerObservation, Partition, parse_partition
 from kvpolicy.dumper import yaml_text
 from kvpolicy.engine import make_plan, replica_partition
+from kvpolicy.expressions import ExpressionError
 from kvpolicy.loader import check_text, load_policy, read_text
 from kvpolicy.models import Policy, Topology
 from kvpolicy.yamlsource import SourceMap, parse
@@ -110,6 +111,12 @@ def _variables(topology: Topology, model_heads: int, heads: int) -> dict[str, in
             "dcp_size": topology.dcp_size, "total_num_kv_heads": heads, "model_total_num_kv_heads": model_heads}
 
 
+def thin(layer: LayerObservation) -> bool:
+    """Whether a layer's observation rests on too little to conclude (or judge) a rule from."""
+    evidence = layer.evidence
+    return evidence.blocks < MIN_BLOCKS or evidence.distinct_blocks < MIN_DISTINCT or not layer.partition
+
+
 def head_factor_of(partition: Partition, topology: Topology) -> int | None:
     """The head factor whose replica sets are ``partition`` (what a rule's factor states), or None."""
     for factor in range(1, topology.tp_size + 1):
@@ -125,15 +132,15 @@ def _sightings(loaded: LoadedReport, refusals: list[Diagnostic]) -> list[_Sighti
     found: list[_Sighting] = []
     for group_index, (group, observed) in enumerate(zip(layout.groups, report.groups, strict=True)):
         specs = {layer: member.spec for member in group.members for layer in member.layers}
-        thin: list[tuple[int, str]] = []
+        scant: list[tuple[int, str]] = []
         odd: list[tuple[int, str]] = []
         for position, layer in enumerate(observed.layers):
             spec = specs[layer.name]
             heads = layout.layer_total_num_kv_heads(layer.name)
             evidence = layer.evidence
             where = f"layer {layer.name} ({spec.type}, group {group_index}, tp {topology.tp_size})"
-            if evidence.blocks < MIN_BLOCKS or evidence.distinct_blocks < MIN_DISTINCT or not layer.partition:
-                thin.append((position, (
+            if thin(layer):
+                scant.append((position, (
                     f"{where}: too little evidence to conclude: {evidence.blocks} blocks compared "
                     f"({evidence.zero_blocks} all-zero, {evidence.distinct_blocks} distinct) over {evidence.steps} steps; "
                     f"a rule needs {MIN_BLOCKS} blocks of {MIN_DISTINCT} distinct contents: observe more steps "
@@ -149,10 +156,17 @@ def _sightings(loaded: LoadedReport, refusals: list[Diagnostic]) -> list[_Sighti
                     "no rule can express it, so none is proposed"
                 )))
                 continue
-            values = spec.evaluate(_variables(topology, layout.total_num_kv_heads, heads))
+            try:
+                values = spec.evaluate(_variables(topology, layout.total_num_kv_heads, heads))
+            except ExpressionError as error:
+                refusals.append(loaded.source.diagnostic(
+                    ("layout", "groups", group_index), f"{where}: the report's layout does not evaluate at its own "
+                    f"topology: {error.message}", code="KVP104",
+                ))
+                continue
             found.append(_Sighting(loaded, group_index, position, layer.name, values.type, values.classes,
                                    values.fields, heads, partition, factor))
-        for code, items, what in (("KVP401", thin, "evidence"), ("KVP402", odd, "partition")):
+        for code, items, what in (("KVP401", scant, "evidence"), ("KVP402", odd, "partition")):
             if items:
                 position, message = items[0]
                 more = f" (and {len(items) - 1} more layers of group {group_index} alike)" if len(items) > 1 else ""
@@ -278,6 +292,12 @@ class Proposal:
     """The same, loaded."""
 
 
+def _printable(text: str) -> str:
+    """``text`` on one line, for a comment: control characters escaped, at most 200 characters."""
+    shown = printable_path(text)
+    return shown if len(shown) <= 200 else shown[:200] + "..."
+
+
 def _kebab(name: str) -> str:
     words = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "-", name).lower()
     return re.sub(r"[^a-z0-9]+", "-", words).strip("-") or "spec"
@@ -293,8 +313,8 @@ def _evidence_lines(rule: _Rule) -> list[str]:
         distinct = sum(s.report.report.groups[s.group].layers[s.position].evidence.distinct_blocks for s in part)
         partitions = sorted({str([list(c) for c in s.partition]) for s in part})
         lines.append(
-            f"#   {model} at tp {tp} ({path}): {len(part)} layer{'s' if len(part) > 1 else ''}, {blocks} blocks "
-            f"({distinct} distinct) held equal in {' / '.join(partitions)}"
+            f"#   {_printable(model)} at tp {tp} ({printable_path(path)}): {len(part)} layer{'s' if len(part) > 1 else ''}, "
+            f"{blocks} blocks ({distinct} distinct) compared, ranks with equal bytes: {' / '.join(partitions)}"
         )
     if len(seen) > MAX_EVIDENCE_LINES:
         lines.append(f"#   and {len(seen) - MAX_EVIDENCE_LINES} more observations")
@@ -305,9 +325,14 @@ def _render(rules: list[_Rule], loaded: Sequence[LoadedReport], name: str) -> st
     default = load_policy("default")
     header = [
         f"# Proposed by 'kvpolicy discover --propose' from {len(loaded)} report{'s' if len(loaded) != 1 else ''}:",
-        *(f"#   {item.path}: {item.report.model} at {_topology_label(item.report.topology)} ({item.report.source}, "
-          f"{item.report.steps} steps)" for item in loaded[:MAX_EVIDENCE_LINES]),
+        *(f"#   {printable_path(item.path)}: {_printable(item.report.model)} at {_topology_label(item.report.topology)} "
+          f"({item.report.source}, {item.report.steps} steps)" for item in loaded[:MAX_EVIDENCE_LINES]),
         *([f"#   and {len(loaded) - MAX_EVIDENCE_LINES} more"] if len(loaded) > MAX_EVIDENCE_LINES else []),
+        *([
+            "# Some observations come from the simulation, which holds what kvpolicy.sim.archetypes.physical_factor",
+            "# states for vLLM's own spec classes: a class it does not know is simulated as attention by KV heads,",
+            "# so observe a new state type on an engine (kvpolicy_discover) before trusting its rule.",
+        ] if any(item.report.source == "simulation" for item in loaded) else []),
         "# Review it, compare it with the policy you run (kvpolicy diff CURRENT THIS --layout L --tp N),",
         "# and deploy it with the audit on.",
     ]
@@ -354,15 +379,18 @@ def _render(rules: list[_Rule], loaded: Sequence[LoadedReport], name: str) -> st
 
 
 def _reason(rule: _Rule, outcome: Mapping[str, Any]) -> str:
-    if outcome.get("replication") == "sharded":
+    tps = sorted({s.tp for s in rule.sightings})
+    if "when" in outcome:
+        factor = int(outcome["factor"])
+        at = f"at tp {tps[0]}" if len(tps) == 1 else "at " + outcome["when"].replace("tp_size == ", "tp ")
+        what = (f"every TP rank held distinct bytes {at}" if factor == 1
+                else f"runs of {factor} consecutive ranks held the same bytes {at}")
+    elif outcome.get("replication") == "sharded":
         what = "every TP rank held distinct bytes"
     elif outcome.get("replication") == "replicated":
         what = "every TP rank held the same bytes"
-    elif outcome.get("factor") == HEADS_FACTOR:
-        what = "runs of tp_size // KV heads consecutive ranks held the same bytes"
     else:
-        what = f"runs of {outcome['factor']} consecutive ranks held the same bytes at {outcome['when'].replace('==', '')}"
-    tps = sorted({s.tp for s in rule.sightings})
+        what = "runs of tp_size // KV heads consecutive ranks held the same bytes"
     return f"Observed: {what} (tp {', '.join(map(str, tps))}; {len(rule.sightings)} layer observations)."
 
 
@@ -396,8 +424,9 @@ def propose(loaded: Sequence[LoadedReport], *, name: str = "discovered") -> tupl
 
 def disagreements(policy: Policy, report: DiscoveryReport) -> list[str]:
     """Where ``policy``, planned on the report's layout and topology, departs from what was observed:
-    a layer given another head factor, a group given other replica sets. Layers and groups observed
-    on too little evidence are not judged. A policy that cannot plan the layout is one disagreement."""
+    a layer given another head factor (or observed in classes no factor expresses), a group given other
+    replica sets. Layers observed on too little evidence (:func:`thin`) are not judged, nor groups with
+    such a layer. A policy that cannot plan the layout is one disagreement."""
     topology = report.topology
     try:
         plan = make_plan(policy, report.layout, topology)
@@ -406,18 +435,24 @@ def disagreements(policy: Policy, report: DiscoveryReport) -> list[str]:
     found = []
     for group, observed in zip(plan.groups, report.groups, strict=True):
         decisions = {decision.layer: decision for decision in group.decisions}
-        for layer in observed.layers:
-            if layer.evidence.blocks < MIN_BLOCKS or not layer.partition:
-                continue
+        judged = [layer for layer in observed.layers if not thin(layer)]
+        for layer in judged:
             factor = head_factor_of(parse_partition(layer.partition), topology)
             planned = decisions[layer.name].factor
-            if factor is not None and planned != factor and not group.demoted:
+            if factor is None:
+                found.append(f"group {group.index} layer {layer.name}: observed {_listed(layer.partition)}, which no "
+                             "factor expresses; planned head factor {planned}".replace("{planned}", str(planned)))
+            elif planned != factor and not group.demoted:
                 found.append(f"group {group.index} layer {layer.name}: planned head factor {planned}, observed {factor}")
-        if observed.evidence.blocks >= MIN_BLOCKS and observed.partition:
+        if judged and len(judged) == len(observed.layers):
             planned_sets = tuple(sorted({rank.replica_set for rank in group.ranks}))
             if planned_sets != parse_partition(observed.partition):
                 found.append(
-                    f"group {group.index} ({group.name}): planned replica sets {[list(s) for s in planned_sets]}, "
-                    f"observed {[list(c) for c in parse_partition(observed.partition)]}"
+                    f"group {group.index} ({group.name}): planned replica sets {_listed(planned_sets)}, "
+                    f"observed {_listed(parse_partition(observed.partition))}"
                 )
     return found
+
+
+def _listed(partition: Partition) -> str:
+    return str([list(members) for members in partition])

@@ -136,7 +136,7 @@ class KVPolicySettings(BaseModel):
     """A file rank 0 writes a discovery report to (``kind: DiscoveryReport``): for the first
     ``kvpolicy_discover_steps`` steps that save blocks, every rank digests, per layer and block, what
     it saves for every group, and rank 0 records which TP ranks held identical bytes. Rewritten after
-    each observed step; never changes what is stored or loaded. ``kvpolicy discover --propose`` turns
+    observed steps 1, 2, 4, 8 ... and the last; never changes what is stored or loaded. ``kvpolicy discover --propose`` turns
     reports into a policy."""
     kvpolicy_discover_steps: int = Field(default=DEFAULT_DISCOVER_STEPS, ge=1, le=10_000, strict=True)
     """Save steps observed under ``kvpolicy_discover`` (each costs one digest pass and one gather)."""

@@ -442,7 +442,7 @@ def parse(text: str, path: str, *, reference: bool = False) -> tuple[Any, Source
         return None, source, [Diagnostic(path, 1, 1, "error", f"YAML syntax: {error}", "KVP002")]
     nodes = [node for node in nodes if node is not None]
     if not nodes:
-        return None, source, [Diagnostic(path, 1, 1, "error", "file is empty; expected a policy or layout document", "KVP002")]
+        return None, source, [Diagnostic(path, 1, 1, "error", "file is empty; expected a policy, layout or discovery report", "KVP002")]
     if len(nodes) > 1:
         mark = nodes[1].start_mark
         return None, source, [

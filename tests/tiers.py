@@ -78,6 +78,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "core/test_settings.py": "pure",
     "faults/test_fuzz_loader.py": "pure",
     # --- the run-time policy without vLLM (in-memory store, list collective, hand clock) --------------
+    "runtime/test_rank_discovery.py": "pure",
     "runtime/test_read_failures.py": "pure",
     "runtime/test_markers.py": "pure",
     "runtime/test_policy.py": "pure",

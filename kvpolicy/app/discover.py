@@ -14,20 +14,35 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
 
 from kvpolicy.app.topology_flags import add_topology_flag
-from kvpolicy.diagnostics import printable_path
+from kvpolicy.diagnostics import DocumentError, printable_path
 from kvpolicy.discovery import DiscoveryReport
 from kvpolicy.loader import load_layout, load_policy
+from kvpolicy.models import NAME_PATTERN
 from kvpolicy.propose import head_factor_of, load_reports, propose
 from kvpolicy.propose import disagreements as policy_disagreements
 
 __all__ = ["add_discover_parser"]
 
 DEFAULT_OUT = Path("discovery")
+DEFAULT_STEPS = 4
+MAX_SIMULATED_TP = 64
+"""Largest TP size observed offline: every simulated rank opens a Mooncake client (1-2 s and a few
+dozen descriptors each)."""
+
+
+def _policy_name(text: str) -> str:
+    if len(text) > 128 or not re.fullmatch(NAME_PATTERN, text):
+        raise argparse.ArgumentTypeError(
+            f"'{ascii(text[:40])[1:-1]}{'...' if len(text) > 40 else ''}' is not a policy name: kebab-case, as 'my-model', "
+            "at most 128 characters"
+        )
+    return text
 
 
 def add_discover_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -47,21 +62,29 @@ def add_discover_parser(commands: argparse._SubParsersAction) -> None:  # type: 
     target.add_argument("--check", metavar="POLICY", help="compare POLICY's plan with the REPORTs (exit 1 on any difference)")
     add_topology_flag(discover, "tp_size", action="append", default=None,
                       help="TP size to observe at (repeat for several: --tp 2 --tp 4)")
-    discover.add_argument("--steps", type=int, default=4, help="save steps observed per TP size (default 4)")
-    discover.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory the reports go to (default ./discovery)")
+    discover.add_argument("--steps", type=int, help=f"save steps observed per TP size (default {DEFAULT_STEPS})")
+    discover.add_argument("--out", type=Path, help="directory the reports go to (default ./discovery)")
     discover.add_argument("reports", nargs="*", metavar="REPORT", help="discovery reports (--propose, --check)")
     discover.add_argument("--output", "-o", type=Path, help="file the proposed policy goes to (default: stdout)")
-    discover.add_argument("--name", default="discovered", help="the proposed policy's name (default discovered)")
+    discover.add_argument("--name", type=_policy_name, help="the proposed policy's name (default discovered)")
     discover.set_defaults(run=run_discover, parser=discover)
 
 
 def run_discover(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
+    observing = ("--steps", args.steps), ("--out", args.out)
+    proposing = ("--output", args.output), ("--name", args.name)
     if args.propose or args.check:
         if not args.reports:
             parser.error("--propose and --check need one or more REPORT files")
         if args.tp:
             parser.error("--tp observes; with --propose or --check the reports say their TP sizes")
+        given = [flag for flag, value in observing if value is not None]
+        if args.check:
+            given += [flag for flag, value in proposing if value is not None]
+        if given:
+            parser.error(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not go with "
+                         f"{'--check' if args.check else '--propose'}")
         return _propose(args) if args.propose else _check(args)
     if args.archetype is None and args.layout is None:
         parser.error("give --archetype or --layout (to observe), --propose or --check (with REPORT files)")
@@ -69,6 +92,15 @@ def run_discover(args: argparse.Namespace) -> int:
         parser.error("REPORT files go with --propose or --check")
     if not args.tp:
         parser.error("give the TP sizes to observe at: --tp N (repeat for several)")
+    given = [flag for flag, value in proposing if value is not None]
+    if given:
+        parser.error(f"{', '.join(given)} go{'es' if len(given) == 1 else ''} with --propose")
+    too_large = [size for size in args.tp if size > MAX_SIMULATED_TP]
+    if too_large:
+        parser.error(f"--tp {too_large[0]}: the simulation observes up to TP {MAX_SIMULATED_TP} (a Mooncake client per rank)")
+    args.tp = list(dict.fromkeys(args.tp))
+    args.steps = DEFAULT_STEPS if args.steps is None else args.steps
+    args.out = DEFAULT_OUT if args.out is None else args.out
     if not 1 <= args.steps <= 64:
         parser.error(f"--steps must be between 1 and 64, got {args.steps}")
     return _observe(args)
@@ -135,7 +167,7 @@ def _propose(args: argparse.Namespace) -> int:
         for problem in problems:
             print(problem)
         return 1
-    proposal, refusals = propose(loaded, name=args.name)
+    proposal, refusals = propose(loaded, name=args.name or "discovered")
     if proposal is None:
         for refusal in refusals:
             print(refusal)
@@ -157,9 +189,13 @@ def _propose(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    policy = load_policy(args.check)
     loaded, problems = load_reports(args.reports)
-    if problems:
+    try:
+        policy = load_policy(args.check)
+    except DocumentError as error:
+        problems = [*error.diagnostics, *problems]
+        policy = None
+    if problems or policy is None:
         for problem in problems:
             print(problem)
         return 1

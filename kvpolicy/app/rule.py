@@ -20,7 +20,8 @@ def run_rule(args: argparse.Namespace) -> int:
         return 0
     check = find_check(args.code)
     if check is None:
-        print(f"kvpolicy rule: error: unknown code '{args.code}'; codes: {', '.join(CHECKS_BY_CODE)}", file=sys.stderr)
+        shown = ascii(args.code[:40])[1:-1] + ("..." if len(args.code) > 40 else "")
+        print(f"kvpolicy rule: error: unknown code '{shown}'; codes: {', '.join(CHECKS_BY_CODE)}", file=sys.stderr)
         return 2
     sys.stdout.write(rule_text(check))
     return 0

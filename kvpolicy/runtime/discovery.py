@@ -3,9 +3,9 @@
 Every TP rank holds a :class:`RankDiscovery`. For the first ``steps`` save steps that save blocks, each
 rank digests what it saves, per group, layer and block (the caller's ``collect``), and the ranks gather
 the digests; rank 0 folds them into its :class:`~kvpolicy.discovery.Observer` and rewrites the report
-file. Whether a step is observed depends on the step's blocks (from the connector metadata, the same
-on every rank) and on the count of steps observed so far (the same on every rank), never on anything
-rank-local: every rank makes the same gathers. A rank that cannot read its blocks still joins the
+file after steps 1, 2, 4, 8 ... and the last. Whether a step is observed depends on the step's blocks
+(from the connector metadata, the same on every rank) and on the count of steps observed so far (the
+same on every rank), never on anything rank-local: every rank makes the same gathers. A rank that cannot read its blocks still joins the
 gather with None, and that step proves nothing. Nothing here changes what is stored or loaded.
 """
 
@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from kvpolicy.discovery import BlockDigest, DiscoveryReport, Observer, RankObservation, dump_report, group_layers
 from kvpolicy.loader import schemas_dir
@@ -26,13 +28,20 @@ logger = logging.getLogger(f"vllm.{__name__}")
 __all__ = ["RankDiscovery", "StepCost"]
 
 
+@dataclass(frozen=True)
 class StepCost:
-    """Seconds spent on observed steps, by part (rank 0's; what the benchmark and the log report)."""
+    """Seconds an observed step spent, by part (on rank 0 the log line and the benchmark report them)."""
 
-    def __init__(self) -> None:
-        self.digest = 0.0
-        self.gather = 0.0
-        self.steps = 0
+    digest: float
+    """Reading and hashing this rank's blocks, per layer."""
+    gather: float
+    """The gather of every rank's digests over the TP group (it waits for the slowest rank)."""
+    report: float = 0.0
+    """Rank 0 only: folding the digests into the observation and rewriting the report file."""
+
+    @property
+    def total(self) -> float:
+        return self.digest + self.gather + self.report
 
 
 class RankDiscovery:
@@ -48,7 +57,7 @@ class RankDiscovery:
         steps: int,
         gather: Callable[[object], Sequence[object]],
         report_path: Path | None,
-        source: str = "engine",
+        source: Literal["engine", "simulation"] = "engine",
     ) -> None:
         self.layout = layout
         self.topology = topology
@@ -56,7 +65,8 @@ class RankDiscovery:
         self.steps = steps
         self.source = source
         self.report_path = report_path
-        self.cost = StepCost()
+        self.costs: list[StepCost] = []
+        """Every observed step's cost, in order (at most ``steps``)."""
         self._gather = gather
         self._observed = 0
         self._observer = Observer(topology.tp_size, group_layers(layout)) if report_path is not None else None
@@ -81,31 +91,34 @@ class RankDiscovery:
         gathered = list(self._gather(local))
         gathered_at = time.perf_counter()
         self._observed += 1
-        self.cost.digest += digested - started
-        self.cost.gather += gathered_at - digested
-        self.cost.steps += 1
         if self._observer is None:
+            self.costs.append(StepCost(digest=digested - started, gather=gathered_at - digested))
             return
         self._observer.observe([_decoded(payload) for payload in gathered])
-        self._write()
+        if self._report_due():
+            self._write()
+        cost = StepCost(digest=digested - started, gather=gathered_at - digested, report=time.perf_counter() - gathered_at)
+        self.costs.append(cost)
         blocks = sum(len(digests) for layers in (local or {}).values() for digests in layers.values())
         logger.info(
-            "kvpolicy discover step %d/%d: %d layer blocks per rank; digest %.2f ms, gather %.2f ms",
-            self._observed, self.steps, blocks, 1e3 * (digested - started), 1e3 * (gathered_at - digested),
+            "kvpolicy discover step %d/%d: %d layer blocks per rank; digest %.2f ms, gather %.2f ms, report %.2f ms",
+            self._observed, self.steps, blocks, 1e3 * cost.digest, 1e3 * cost.gather, 1e3 * cost.report,
         )
         if not self.observing:
-            logger.info(
-                "kvpolicy discover: %d steps observed, report written to %s (digest %.2f ms, gather %.2f ms per step)",
-                self._observed, self.report_path, 1e3 * self.cost.digest / self.cost.steps,
-                1e3 * self.cost.gather / self.cost.steps,
-            )
+            logger.info("kvpolicy discover: %d steps observed, report written to %s", self._observed, self.report_path)
+
+    def _report_due(self) -> bool:
+        """Rewrite the report after observed steps 1, 2, 4, 8 ... and the last: a report from the first
+        step on (an engine stopped early leaves one), at a cost of log2(steps) rewrites, not one a step
+        (a rewrite is 15-40 ms for a real model's layers, ``benchmarks/bench_discovery.py``)."""
+        observed = self._observed
+        return observed == self.steps or observed & (observed - 1) == 0
 
     def report(self) -> DiscoveryReport | None:
         """Rank 0's report so far (None on the other ranks)."""
         if self._observer is None:
             return None
-        source = "simulation" if self.source == "simulation" else "engine"
-        return self._observer.report(model=self.model, source=source, topology=self.topology, layout=self.layout)
+        return self._observer.report(model=self.model, source=self.source, topology=self.topology, layout=self.layout)
 
     def _write(self) -> None:
         report = self.report()

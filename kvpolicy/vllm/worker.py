@@ -7,7 +7,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import torch
 import vllm
@@ -84,7 +84,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
 
     _layout: Layout | None = None
     """The layout the plan was made from, set by :meth:`_make_plan`; None before planning."""
-    _discovery_source = "engine"
+    _discovery_source: Literal["engine", "simulation"] = "engine"
     """What a discovery report says observed it: ``simulation`` for :meth:`standalone` workers."""
 
     def __init__(
@@ -447,7 +447,8 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
     # --- the replication audit -------------------------------------------------------------------
 
     def wait_for_save(self, metadata: MooncakeStoreConnectorMetadata) -> None:
-        # The audit first, so that a demoted group's blocks of this very step go to its own namespace.
+        # Discovery and the audit before the save, so that a demoted group's blocks of this very step go to
+        # its own namespace (discovery only reads; its gather comes first on every rank alike).
         if not internals.capacity_only(self) and self.can_put:
             self._discovery_step(metadata)
             self._audit_step(metadata)

@@ -7,16 +7,20 @@ and read back through the same loader ``kvpolicy discover --propose`` uses.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import jsonschema
 import pytest
+import yaml
 
 from kvpolicy.app.cli import main
-from kvpolicy.discovery import DiscoveryReport, Observer, dump_report, group_layers, meet, partition_of, runs
+from kvpolicy.discovery import Observer, dump_report, group_layers, meet, partition_of, runs
 from kvpolicy.engine import make_plan
-from kvpolicy.loader import check_text, load_layout, load_policy
+from kvpolicy.diagnostics import CHECKS_BY_CODE
+from kvpolicy.loader import check_text, load_layout, load_policy, schemas_dir
 from kvpolicy.models import Layout, Topology
-from kvpolicy.propose import disagreements, load_reports, propose
+from kvpolicy.propose import MIN_BLOCKS, MIN_DISTINCT, disagreements, load_reports, propose
 
 
 def _truth(layout: Layout, layer: str, spec_classes: tuple[str, ...], tp: int) -> int:
@@ -129,11 +133,39 @@ def test_a_report_whose_partition_misses_a_rank_is_refused_where_it_stands() -> 
     broken = text.replace("partition: [[0], [1]]", "partition: [[0]]", 1)
     document, problems = check_text(broken, "report.yaml")
     assert document is None
-    assert any(problem.code == "KVP104" and "not a partition of the TP ranks" in problem.message for problem in problems)
+    found = [problem for problem in problems if "not a partition of the TP ranks" in problem.message]
+    assert [problem.code for problem in found] == ["KVP104"]
+    assert broken.splitlines()[found[0].line - 1].strip().startswith("partition: [[0]]")
 
 
-def test_a_report_is_a_versioned_document_of_its_own_kind() -> None:
-    assert DiscoveryReport.model_fields["kind"].annotation.__args__ == ("DiscoveryReport",)  # type: ignore[union-attr]
+def test_a_written_report_is_valid_under_its_shipped_json_schema() -> None:
+    layout = load_layout("gemma-4-26b-a4b")
+    report = _observe(layout, 4).report(model=layout.model, source="engine", topology=Topology(tp_size=4), layout=layout)
+    schema = json.loads((schemas_dir() / "discovery.schema.json").read_text(encoding="utf-8"))
+    data = yaml.safe_load(dump_report(report))
+    jsonschema.Draft202012Validator(schema).validate(data)
+    assert data["kind"] == "DiscoveryReport" and data["version"] == 1
+
+
+def test_a_group_partition_that_is_not_its_layers_meet_is_refused_where_it_stands() -> None:
+    layout = load_layout("llama-3.1-70b")
+    text = dump_report(_observe(layout, 2).report(model="m", source="engine", topology=Topology(tp_size=2), layout=layout))
+    broken = text.replace("    partition: [[0], [1]]", "    partition: [[0, 1]]", 1)
+    document, problems = check_text(broken, "report.yaml")
+    assert document is None and [problem.code for problem in problems] == ["KVP104"]
+    assert "not the meet of its layers' partitions" in problems[0].message
+    assert broken.splitlines()[problems[0].line - 1].strip().startswith("partition:")
+
+
+def test_report_counts_are_whole_numbers_as_the_schema_says() -> None:
+    layout = load_layout("llama-3.1-70b")
+    text = dump_report(_observe(layout, 2).report(model="m", source="engine", topology=Topology(tp_size=2), layout=layout))
+    document, problems = check_text(text.replace("blocks: 8\n", "blocks: '8'\n", 1), "report.yaml")
+    assert document is None and problems[0].code == "KVP104"
+
+
+def test_the_thin_evidence_explanation_states_the_thresholds_the_proposal_applies() -> None:
+    assert f"{MIN_BLOCKS} blocks of {MIN_DISTINCT} distinct" in " ".join(CHECKS_BY_CODE["KVP401"].explanation.split())
 
 
 # --- proposing -----------------------------------------------------------------------------------
@@ -311,3 +343,25 @@ def test_discover_without_what_it_needs_is_a_usage_error(argv: list[str], capsys
         main(argv)
     assert exit_info.value.code == 2
     assert "kvpolicy discover: error:" in capsys.readouterr().err
+
+
+def test_check_names_a_layer_observed_in_classes_no_factor_expresses(tmp_path: Path, capsys) -> None:
+    layout = load_layout("llama-3.1-70b")
+    text = _write(tmp_path, "r.yaml", layout, 4).read_text().replace("[[0], [1], [2], [3]]", "[[0, 2], [1, 3]]")
+    path = tmp_path / "strided.yaml"
+    path.write_text(text)
+    assert main(["discover", "--check", "default", str(path)]) == 1
+    assert "which no factor expresses" in capsys.readouterr().out
+
+
+def test_a_proposal_survives_file_and_model_names_with_control_characters(tmp_path: Path) -> None:
+    layout = load_layout("llama-3.1-70b")
+    original = _write(tmp_path, "r.yaml", layout, 2).read_text()
+    text = original.replace(f"model: {layout.model}", 'model: "odd\\nmodel"', 1)
+    assert text != original
+    path = tmp_path / "odd\nname.yaml"
+    path.write_text(text)
+    proposal, refusals = _propose(path)
+    assert proposal is not None, refusals
+    assert all(line.startswith(("#", " ", "version", "kind", "name", "description", "key", "audit", "rules"))
+               for line in proposal.text.splitlines())

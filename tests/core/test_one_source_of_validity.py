@@ -23,6 +23,7 @@ from kvpolicy.yamlsource import parse  # noqa: E402
 SCHEMAS = {
     "ReplicationPolicy": json.loads((schemas_dir() / "policy.schema.json").read_text(encoding="utf-8")),
     "ModelLayout": json.loads((schemas_dir() / "layout.schema.json").read_text(encoding="utf-8")),
+    "DiscoveryReport": json.loads((schemas_dir() / "discovery.schema.json").read_text(encoding="utf-8")),
 }
 
 
