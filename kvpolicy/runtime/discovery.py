@@ -110,7 +110,7 @@ class RankDiscovery:
     def _report_due(self) -> bool:
         """Rewrite the report after observed steps 1, 2, 4, 8 ... and the last: a report from the first
         step on (an engine stopped early leaves one), at a cost of log2(steps) rewrites, not one a step
-        (a rewrite is 15-40 ms for a real model's layers, ``benchmarks/bench_discovery.py``)."""
+        (a rewrite is 15-30 ms for a real model's layers, ``benchmarks/bench_discovery.py``)."""
         observed = self._observed
         return observed == self.steps or observed & (observed - 1) == 0
 
