@@ -43,6 +43,7 @@ from kvpolicy.models import (
     SpecValues,
     Topology,
     thawed,
+    topology_variables,
 )
 from kvpolicy.plan import GroupPlan, LayerDecision, Plan, RankAssignment, WriteSchedule
 from kvpolicy.store_layout import StoreSelection, StoreSharding, select_store_layout
@@ -187,14 +188,8 @@ def _plan(
     if store_sharding is not None:
         _check_store_sharding(layout, topology, store_sharding)
         _check_sharded_keys(policy)
-    variables: dict[str, Value] = {
-        "tp_size": topology.tp_size,
-        "pp_size": topology.pp_size,
-        "pcp_size": topology.pcp_size,
-        "dcp_size": topology.dcp_size,
-        "total_num_kv_heads": layout.total_num_kv_heads,  # a layer of its own count reads that instead
-        "model_total_num_kv_heads": layout.total_num_kv_heads,
-    }
+    # A layer of its own KV-head count reads that as total_num_kv_heads instead (_SpecCache).
+    variables: dict[str, Value] = dict(topology_variables(topology, layout.total_num_kv_heads))
     specs = _SpecCache(policy, variables, topology, layout.kv_heads_by_layer)
     ranks = _RankCache(topology, policy.schedule, store_sharding)
     decided: list[GroupDecision] = []

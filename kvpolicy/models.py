@@ -1192,3 +1192,18 @@ class Topology(StrictModel):
         if self.dcp_size == self.pcp_size:
             return pcp_rank
         return tp_rank * self.pcp_size + pcp_rank
+
+
+def topology_variables(
+    topology: Topology, total_num_kv_heads: int, model_total_num_kv_heads: int | None = None
+) -> dict[str, int]:
+    """The :data:`TOPOLOGY_VARIABLES` an expression reads at ``topology``, for a layer of
+    ``total_num_kv_heads`` KV heads in a model of ``model_total_num_kv_heads`` (None: the same)."""
+    return {
+        "tp_size": topology.tp_size,
+        "pp_size": topology.pp_size,
+        "pcp_size": topology.pcp_size,
+        "dcp_size": topology.dcp_size,
+        "total_num_kv_heads": total_num_kv_heads,
+        "model_total_num_kv_heads": total_num_kv_heads if model_total_num_kv_heads is None else model_total_num_kv_heads,
+    }

@@ -35,7 +35,7 @@ from kvpolicy.dumper import yaml_text
 from kvpolicy.engine import make_plan, replica_partition
 from kvpolicy.expressions import ExpressionError
 from kvpolicy.loader import check_text, load_policy, read_text
-from kvpolicy.models import Policy, Topology
+from kvpolicy.models import Policy, Topology, topology_variables
 from kvpolicy.yamlsource import SourceMap, parse
 
 __all__ = ["MIN_BLOCKS", "MIN_DISTINCT", "LoadedReport", "Proposal", "disagreements", "load_reports", "propose"]
@@ -106,11 +106,6 @@ class _Sighting:
         return self.report.report.model
 
 
-def _variables(topology: Topology, model_heads: int, heads: int) -> dict[str, int]:
-    return {"tp_size": topology.tp_size, "pp_size": topology.pp_size, "pcp_size": topology.pcp_size,
-            "dcp_size": topology.dcp_size, "total_num_kv_heads": heads, "model_total_num_kv_heads": model_heads}
-
-
 def thin(layer: LayerObservation) -> bool:
     """Whether a layer's observation rests on too little to conclude (or judge) a rule from."""
     evidence = layer.evidence
@@ -157,7 +152,7 @@ def _sightings(loaded: LoadedReport, refusals: list[Diagnostic]) -> list[_Sighti
                 )))
                 continue
             try:
-                values = spec.evaluate(_variables(topology, layout.total_num_kv_heads, heads))
+                values = spec.evaluate(topology_variables(topology, heads, layout.total_num_kv_heads))
             except ExpressionError as error:
                 refusals.append(loaded.source.diagnostic(
                     ("layout", "groups", group_index), f"{where}: the report's layout does not evaluate at its own "

@@ -44,7 +44,7 @@ from kvpolicy.keys import (
     store_namespace,
     template_fields,
 )
-from kvpolicy.models import Group, Layout, StrictModel
+from kvpolicy.models import Group, Layout, StrictModel, topology_variables
 from kvpolicy.store_layout import SHARDED_FORMATS
 
 # --- Mooncake Conductor: ParseVllmObjectKey ----------------------------------------------------------
@@ -638,14 +638,7 @@ def dynamo_descriptor(contract: KeyContract, layout: Layout, deployment: DynamoD
     out would credit hits the store cannot serve."""
     deployment = deployment or DynamoDeployment()
     topology = contract.topology
-    variables = {
-        "tp_size": topology.tp_size,
-        "pp_size": topology.pp_size,
-        "pcp_size": topology.pcp_size,
-        "dcp_size": topology.dcp_size,
-        "total_num_kv_heads": layout.total_num_kv_heads,
-        "model_total_num_kv_heads": layout.total_num_kv_heads,
-    }
+    variables = topology_variables(topology, layout.total_num_kv_heads)
     problems: list[str] = []
     kinds: list[tuple[DynamoKind, int | None]] = []
     for keys, group in zip(contract.groups, layout.groups, strict=True):

@@ -82,9 +82,7 @@ class RankDiscovery:
         started = time.perf_counter()
         local: RankObservation = None
         try:
-            local = {int(group): {str(layer): [(str(value), bool(zero)) for value, zero in blocks]
-                                  for layer, blocks in layers.items()}
-                     for group, layers in collect().items()}
+            local = collect()  # plain data already: rank 0 checks every payload as it receives it (_decoded)
         except Exception:
             logger.exception("kvpolicy discover: this rank could not digest its blocks; the step proves nothing")
         digested = time.perf_counter()
