@@ -336,7 +336,10 @@ def test_discover_propose_on_a_file_that_is_not_a_report_says_so(tmp_path: Path,
 @pytest.mark.parametrize(
     "argv",
     [["discover"], ["discover", "--propose"], ["discover", "--archetype", "mla"], ["discover", "--check", "default"],
-     ["discover", "--propose", "r.yaml", "--tp", "2"], ["discover", "--archetype", "mla", "--tp", "2", "r.yaml"]],
+     ["discover", "--propose", "r.yaml", "--tp", "2"], ["discover", "--archetype", "mla", "--tp", "2", "r.yaml"],
+     ["discover", "--archetype", "mla", "--tp", "128"], ["discover", "--propose", "r.yaml", "--name", "Not-Kebab"],
+     ["discover", "--check", "default", "r.yaml", "--output", "p.yaml"], ["discover", "--archetype", "mla", "--tp", "2",
+                                                                          "--name", "x"]],
 )
 def test_discover_without_what_it_needs_is_a_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -365,3 +368,17 @@ def test_a_proposal_survives_file_and_model_names_with_control_characters(tmp_pa
     assert proposal is not None, refusals
     assert all(line.startswith(("#", " ", "version", "kind", "name", "description", "key", "audit", "rules"))
                for line in proposal.text.splitlines())
+
+
+def test_a_proposal_from_simulated_observations_says_so_in_its_header(tmp_path: Path) -> None:
+    layout = load_layout("qwen3-next-80b-a3b")
+    paths = []
+    for tp in (2, 4):
+        path = _write(tmp_path, f"{tp}.yaml", layout, tp)
+        path.write_text(path.read_text().replace("source: engine", "source: simulation", 1))
+        paths.append(path)
+    simulated, _ = _propose(*paths)
+    observed, _ = _propose(_write(tmp_path, "e2.yaml", layout, 2), _write(tmp_path, "e4.yaml", layout, 4))
+    assert simulated is not None and observed is not None
+    assert "# Some observations come from the simulation" in simulated.text
+    assert "simulation" not in observed.text
