@@ -5,7 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVPOLICY_VENV:-.venv}
 
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+# The library cache is read whole before it is searched: `ldconfig -p | grep -q` under pipefail fails
+# whenever grep stops at the first match and ldconfig is still writing (SIGPIPE), re-running apt.
+have_library() { local cache; cache=$(ldconfig -p 2>/dev/null) || true; [[ $cache == *"$1"* ]]; }
+
+if ! have_library 'libibverbs.so.1'; then
   echo "[bootstrap] installing libibverbs1 (Mooncake's transfer engine loads it even for TCP)"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq

@@ -85,6 +85,9 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "runtime/test_dynamo_descriptor_file.py": "pure",
     # --- the command line -----------------------------------------------------------------------
     "cli/test_cli.py": "pure",
+    "cli/test_command_line.py": ("pure", "contract"),
+    "cli/test_command_line.py::test_the_archetype_names_are_the_simulations": "contract",
+    "cli/test_command_line.py::test_wrong_names_paths_and_values_are_refused_before_torch_or_vllm_is_imported": "contract",
     "cli/test_diagnostic_formats.py": "pure",
     "cli/test_diff.py": "pure",
     "cli/test_topology_flags.py": "pure",

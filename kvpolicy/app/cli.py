@@ -15,15 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from kvpolicy import schema
+from kvpolicy import __version__
+from kvpolicy.app.archetypes import archetype_name, archetypes_help
+from kvpolicy.app.args import CommandParser
 from kvpolicy.app.diagnostic_formats import FORMATS, FileResult, Selection, parse_codes, render
 from kvpolicy.app.rule import run_rule
 from kvpolicy.app.discover import add_discover_parser
 from kvpolicy.app.topology_flags import add_topology_flag, add_topology_flags, topology_from_args
 from kvpolicy.contract import KeyContract, key_contract
-from kvpolicy.diagnostics import DocumentError, PlanError, printable_path
+from kvpolicy.diagnostics import Diagnostic, DocumentError, PlanError, printable_path
 from kvpolicy.engine import make_plan, plan_deployment
-from kvpolicy.loader import check_file, load_layout, load_policy, schemas_dir, shipped_policy_names
-from kvpolicy.models import KV_CACHE_LAYOUTS, Layout
+from kvpolicy.loader import check_file, load_layout, load_policy, resolve_policy_path, schemas_dir, shipped_policy_names
+from kvpolicy.models import KV_CACHE_LAYOUTS, Layout, Policy
 from kvpolicy.plan import Plan
 from kvpolicy.report import (
     format_explanation,
@@ -42,7 +45,7 @@ from kvpolicy.traffic import prompt_traffic
 
 def _validate(args: argparse.Namespace) -> int:
     try:
-        selection = Selection(tuple(args.select), tuple(args.ignore), args.warnings_as_errors)
+        selection = Selection(_codes(args.select), _codes(args.ignore), args.warnings_as_errors)
     except ValueError as error:
         print(f"kvpolicy validate: error: {error}", file=sys.stderr)
         return 2
@@ -54,6 +57,11 @@ def _validate(args: argparse.Namespace) -> int:
     sys.stdout.write(out)
     sys.stderr.write(err)
     return 0 if all(result.valid for result in results) else 1
+
+
+def _codes(given: Sequence[tuple[str, ...]]) -> tuple[str, ...]:
+    """The codes of every ``--select``/``--ignore`` given (each a comma-separated list)."""
+    return tuple(code for codes in given for code in codes)
 
 
 def _schema(args: argparse.Namespace) -> int:
@@ -123,67 +131,131 @@ def _store_options(args: argparse.Namespace) -> dict[str, object]:
     return {}
 
 
-def _planned(args: argparse.Namespace) -> tuple[Plan, Layout, StoreSelection]:
-    """The plan the flags describe, of the layout (with the flag's KV cache layout), and vLLM's store
-    layout choice for it."""
+def _planned(args: argparse.Namespace) -> list[tuple[Plan, Layout, StoreSelection]]:
+    return _planned_with_policy(args)[1]
+
+
+def _planned_with_policy(args: argparse.Namespace) -> tuple[Policy, list[tuple[Plan, Layout, StoreSelection]]]:
+    """The plan the flags describe at each ``--tp`` size given (in the order given, each once), of the
+    layout (with the flag's KV cache layout), and vLLM's store layout choice for it. The refusals at
+    every size are one :class:`PlanError`, so all of them are printed at once."""
     options = {**_store_options(args), "cache_prefix": getattr(args, "cache_prefix", "")}
-    return plan_deployment(
-        load_policy(args.policy), load_layout(args.layout), topology_from_args(args),
-        extra_config=options, kv_cache_layout=args.kv_cache_layout,
-    )
+    policy, layout = _policy_and_layout(args.policy, args.layout)
+    planned, problems = [], []
+    for tp_size in dict.fromkeys(args.tp):
+        try:
+            planned.append(plan_deployment(
+                policy, layout, topology_from_args(argparse.Namespace(**{**vars(args), "tp": tp_size})),
+                extra_config=options, kv_cache_layout=args.kv_cache_layout,
+            ))
+        except PlanError as error:
+            problems.extend(error.problems)
+    if problems:
+        raise PlanError(problems)
+    return policy, planned
+
+
+def idle_rules(policy: Policy, plans: Sequence[Plan]) -> list[str]:
+    """One note for each set of rules of ``policy`` that decide no layer of the ``plans`` (they match
+    none of the layout's layers at that topology, or an earlier rule takes each one): a general
+    policy has some for every model, a misspelled class or field shows here."""
+    idle_at: dict[tuple[str, ...], list[int]] = {}
+    for plan in plans:
+        deciding = {decision.rule for group in plan.groups for decision in group.decisions}
+        idle = tuple(rule.name for rule in policy.rules if rule.name not in deciding)
+        if idle:
+            idle_at.setdefault(idle, []).append(plan.topology.tp_size)
+    every = len(plans)
+    return [
+        f"note: {len(idle)} of {len(policy.rules)} rules of policy {policy.name} decide no layer of "
+        f"{plans[0].model}{'' if len(sizes) == every else ' at tp ' + ', '.join(map(str, sizes))}: "
+        f"{', '.join(idle)} (each matches none of its layers, or an earlier rule takes them)"
+        for idle, sizes in idle_at.items()
+    ]
+
+
+def _policy_and_layout(policy: str, layout: str) -> tuple[Policy, Layout]:
+    """Both documents, or one :class:`DocumentError` with the problems of both."""
+    loaded: list[Any] = []
+    problems = []
+    for load, name in ((load_policy, policy), (load_layout, layout)):
+        try:
+            loaded.append(load(name))
+        except DocumentError as error:
+            problems.extend(error.diagnostics)
+    if problems:
+        raise DocumentError(problems)
+    return loaded[0], loaded[1]
+
+
+def _one_or_list(payloads: list[Any]) -> Any:
+    """One ``--tp`` size: its JSON document, as always; several: the list of them, in order."""
+    return payloads[0] if len(payloads) == 1 else payloads
 
 
 def _keys(args: argparse.Namespace) -> int:
-    result, layout, _ = _planned(args)
-    contract = key_contract(result, layout)
+    contracts = [(key_contract(result, layout), layout) for result, layout, _ in _planned(args)]
     if args.format == "dynamo":
-        return _dynamo(contract, layout)
+        return _dynamo(contracts)
     if args.format == "json":
-        print(json.dumps(contract.model_dump(mode="json"), indent=2))
+        print(json.dumps(_one_or_list([contract.model_dump(mode="json") for contract, _ in contracts]), indent=2))
     else:
-        print(format_key_contract(contract))
+        print("\n\n".join(format_key_contract(contract) for contract, _ in contracts))
     return 0
 
 
-def _dynamo(contract: KeyContract, layout: Layout) -> int:
-    """Dynamo's router descriptor of the plan on stdout; exit 1, with every reason, where its format
-    cannot describe the plan. What today's Dynamo refuses besides the format goes to stderr."""
-    try:
-        descriptor = dynamo_descriptor(contract, layout)
-    except RouterExportError as error:
-        for problem in error.problems:
-            print(f"error: no Dynamo descriptor: {_one_line(problem)}")
+def _dynamo(contracts: list[tuple[KeyContract, Layout]]) -> int:
+    """Dynamo's router descriptor of each plan on stdout; exit 1, with every reason, where its format
+    cannot describe a plan. What today's Dynamo refuses besides the format goes to stderr."""
+    descriptors, failed = [], False
+    for contract, layout in contracts:
+        try:
+            descriptor = dynamo_descriptor(contract, layout)
+        except RouterExportError as error:
+            for problem in error.problems:
+                print(f"error: no Dynamo descriptor: {_one_line(problem)}")
+            failed = True
+            continue
+        problems = check_dynamo_descriptor(descriptor).problems
+        for problem in problems:
+            print(f"error: Dynamo's validator refuses the descriptor: {_one_line(problem)}")
+        failed = failed or bool(problems)
+        descriptors.append((contract, descriptor))
+    if failed:
         return 1
-    problems = check_dynamo_descriptor(descriptor).problems
-    for problem in problems:
-        print(f"error: Dynamo's validator refuses the descriptor: {_one_line(problem)}")
-    if problems:
-        return 1
-    print(json.dumps(descriptor.model_dump(mode="json"), indent=2))
-    for refusal in dynamo_refusals(contract, descriptor):
-        print(f"note: Dynamo (PR #14965) refuses this today: {refusal}", file=sys.stderr)
+    print(json.dumps(_one_or_list([descriptor.model_dump(mode="json") for _, descriptor in descriptors]), indent=2))
+    for contract, descriptor in descriptors:
+        for refusal in dynamo_refusals(contract, descriptor):
+            print(f"note: Dynamo (PR #14965) refuses this today: {refusal}", file=sys.stderr)
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
-    result, layout, store = _planned(args)
-    traffic = None if args.prompt_tokens is None else prompt_traffic(result, layout, args.prompt_tokens)
+    policy, planned = _planned_with_policy(args)
+    for note in idle_rules(policy, [result for result, _, _ in planned]):
+        print(note, file=sys.stderr)
     if args.format == "json":
-        payload = plan_to_json(result)
-        if args.explain:
-            payload["explanation"] = format_explanation(result).splitlines()
-        if traffic is not None:
-            payload["traffic"] = traffic_to_json(traffic)
-        print(json.dumps(payload, indent=2))
+        payloads = []
+        for result, layout, _ in planned:
+            payload = plan_to_json(result)
+            if args.explain:
+                payload["explanation"] = format_explanation(result).splitlines()
+            if args.prompt_tokens is not None:
+                payload["traffic"] = traffic_to_json(prompt_traffic(result, layout, args.prompt_tokens))
+            payloads.append(payload)
+        print(json.dumps(_one_or_list(payloads), indent=2))
         return 0
-    print(format_plan_table(result))
-    if store.sharding is None and store.store_namespace:
-        print(f"store layout: {store.reason}")
-    if traffic is not None:
-        print(format_traffic(traffic))
-    if args.explain:
-        print()
-        print(format_explanation(result))
+    for index, (result, layout, store) in enumerate(planned):
+        if index:
+            print()
+        print(format_plan_table(result))
+        if store.sharding is None and store.store_namespace:
+            print(f"store layout: {store.reason}")
+        if args.prompt_tokens is not None:
+            print(format_traffic(prompt_traffic(result, layout, args.prompt_tokens)))
+        if args.explain:
+            print()
+            print(format_explanation(result))
     return 0
 
 
@@ -282,10 +354,20 @@ def kv_transfer_config(policy: str, *, role: str = "kv_both", strict: bool = Fal
 
 def _vllm_config(args: argparse.Namespace) -> int:
     config = kv_transfer_config(args.policy, role=args.role, strict=args.strict)
+    warnings = policy_warnings(args.policy)
     print(json.dumps(config, separators=(",", ":")))
-    print(f"# policy '{load_policy(args.policy).name}' is valid; pass the line above to --kv-transfer-config",
+    for warning in warnings:
+        print(warning, file=sys.stderr)
+    said = f", with {len(warnings)} warning{'s' if len(warnings) != 1 else ''} (above)" if warnings else ""
+    print(f"# policy '{load_policy(args.policy).name}' is valid{said}; pass the line above to --kv-transfer-config",
           file=sys.stderr)
     return 0
+
+
+def policy_warnings(policy: str) -> list[Diagnostic]:
+    """The warnings ``kvpolicy validate`` reports for ``policy`` (a shipped name or a path) that loads."""
+    _, problems = check_file(resolve_policy_path(policy))
+    return [problem for problem in problems if problem.severity == "warning"]
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -310,40 +392,36 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _audit(args: argparse.Namespace) -> int:
     """The offline replication audit: the connector's audit on simulated ranks holding the bytes the
-    model really holds, then a warm load to check the fallback's bytes."""
-    from kvpolicy.app.environment import environment
-
-    # vLLM logs to stdout; keep the report readable, and leave the caller's environment as it was.
-    with environment(VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")):
-        return _run_audit(args)
-
-
-def _run_audit(args: argparse.Namespace) -> int:
+    model really holds, then a warm load to check the fallback's bytes. The report is on stdout, and
+    it alone says what was demoted: what vLLM, torch and Mooncake log goes to a log file."""
     import tempfile
 
+    from kvpolicy.app.quiet import libraries_logging_to
+
+    # Every input is judged before torch, vLLM and Mooncake are imported (seconds): a wrong path or name
+    # is refused at once.
     policy = load_policy(args.policy)
+    layout = load_layout(args.layout) if args.layout is not None else None
+    with libraries_logging_to(Path(tempfile.gettempdir()) / f"kvpolicy-audit-{os.getpid()}.log"):
+        return _run_audit(args, policy, layout)
+
+
+def _run_audit(args: argparse.Namespace, policy: Policy, layout: Layout | None) -> int:
     from kvpolicy.audit import ReplicationAuditError
     from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.mooncake.native_log import native_stderr_to
     from kvpolicy.mooncake.pool import ClientPool
     from kvpolicy.sim import archetype_from_layout, run_consistency
 
-    if args.layout is not None:
-        layout = load_layout(args.layout)
+    if layout is not None:
         target = f"layout {Path(args.layout).stem}"
         archetype = archetype_from_layout(layout, layers_per_group=2, name=f"audit-{Path(args.layout).stem}")
     else:
         from kvpolicy.sim import get_archetype
 
-        try:
-            archetype = get_archetype(args.archetype)
-        except ValueError as error:
-            print(f"kvpolicy audit: error: {error}", file=sys.stderr)
-            return 2
+        archetype = get_archetype(args.archetype)  # the name was checked when parsed
         target = f"archetype {args.archetype}"
-    native_log = Path(tempfile.gettempdir()) / f"kvpolicy-audit-{os.getpid()}.log"
     try:
-        with native_stderr_to(native_log), MooncakeMaster() as master, ClientPool(master) as clients:
+        with MooncakeMaster() as master, ClientPool(master) as clients:
             report = run_consistency(
                 policy, archetype, args.tp, master=master, clients=clients, num_tokens=args.tokens, audit=True
             )
@@ -405,16 +483,21 @@ def _run_audit(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpolicy", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="kvpolicy", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvpolicy {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     validate = commands.add_parser("validate", help="check policy and layout files; print every problem")
     validate.add_argument("paths", nargs="+", metavar="PATH")
     validate.add_argument("--format", choices=FORMATS, default="text", help="text, json, github (Actions annotations) or sarif")
     validate.add_argument(
-        "--select", type=parse_codes, default=(), metavar="CODES", help="report only these warnings (codes or prefixes)"
+        "--select", type=parse_codes, nargs="+", default=(), metavar="CODES",
+        help="report only these warnings (codes or prefixes, comma-separated; repeatable)",
     )
-    validate.add_argument("--ignore", type=parse_codes, default=(), metavar="CODES", help="do not report these warnings")
+    validate.add_argument(
+        "--ignore", type=parse_codes, nargs="+", default=(), metavar="CODES",
+        help="do not report these warnings (comma-separated; repeatable)",
+    )
     validate.add_argument(
         "--warnings-as-errors", action="store_true", help="count the warnings reported as errors (exit 1)"
     )
@@ -443,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
         command.add_argument("--policy", required=True, help="a shipped policy's name or a path")
         command.add_argument("--layout", required=True, help="an example layout's name or a path")
-        add_topology_flags(command, required=("tp_size",))
+        add_topology_flags(command, required=("tp_size",), several=("tp_size",))
         store_tp = command.add_mutually_exclusive_group()
         store_tp.add_argument(
             "--store-tp", type=_positive, metavar="N", help="kv_connector_extra_config store_tp_size: share store shards across TP sizes"
@@ -476,8 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
     diff = commands.add_parser("diff", help="what a policy edit changes, per layout and TP size; exit 1 on any change")
     diff.add_argument("old", metavar="OLD", help="the policy before the edit (a shipped name or a path)")
     diff.add_argument("new", metavar="NEW", help="the policy after the edit")
-    diff.add_argument("--layout", action="append", help="a layout's name or path (repeatable; default: every example)")
-    add_topology_flag(diff, "tp_size", nargs="+", default=[1, 2, 4, 8])
+    diff.add_argument("--layout", nargs="+", help="layouts' names or paths (repeatable; default: every example)")
+    add_topology_flag(diff, "tp_size", nargs="+", default=[1, 2, 4, 8],
+                      help="TP sizes to compare at (--tp 2 4 or --tp 2 --tp 4; default 1 2 4 8)")
     add_topology_flag(diff, "pp_size")
     diff.add_argument("--format", choices=("text", "json"), default="text")
     diff.set_defaults(run=_diff)
@@ -508,10 +592,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     audit.add_argument("--policy", required=True, help="a shipped policy's name or a path")
     target = audit.add_mutually_exclusive_group(required=True)
-    target.add_argument("--archetype", help="a simulated archetype (kimi-linear, gqa-gdn, gqa-mamba, mla, nas-like, gemma4-like, ...)")
+    target.add_argument("--archetype", type=archetype_name, help=archetypes_help("a simulated archetype"))
     target.add_argument("--layout", help="an example layout's name or a path")
     add_topology_flag(audit, "tp_size", required=True)
-    audit.add_argument("--tokens", type=int, default=256, help="prompt length")
+    audit.add_argument("--tokens", type=_positive, default=256, metavar="N", help="prompt length (default 256)")
     audit.add_argument("--format", choices=("text", "json"), default="text")
     audit.set_defaults(run=_audit)
 

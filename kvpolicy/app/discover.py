@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvpolicy.app.archetypes import archetype_name, archetypes_help
 from kvpolicy.app.topology_flags import add_topology_flag
 from kvpolicy.diagnostics import DocumentError, printable_path
 from kvpolicy.discovery import DiscoveryReport
@@ -56,13 +57,13 @@ def add_discover_parser(commands: argparse._SubParsersAction) -> None:  # type: 
         ),
     )
     target = discover.add_mutually_exclusive_group()
-    target.add_argument("--archetype", help="observe a simulated archetype (gqa-gdn, mla, kimi-linear, gemma4-like, ...)")
+    target.add_argument("--archetype", type=archetype_name, help=archetypes_help("observe a simulated archetype"))
     target.add_argument("--layout", help="observe a layout (an example layout's name or a path) on simulated ranks")
     target.add_argument("--propose", action="store_true", help="write the policy the REPORTs support (exit 1 if they cannot)")
     target.add_argument("--check", metavar="POLICY", help="compare POLICY's plan with the REPORTs (exit 1 on any difference)")
-    add_topology_flag(discover, "tp_size", action="append", default=None,
-                      help="TP size to observe at (repeat for several: --tp 2 --tp 4)")
-    discover.add_argument("--steps", type=int, help=f"save steps observed per TP size (default {DEFAULT_STEPS})")
+    add_topology_flag(discover, "tp_size", nargs="+", default=None,
+                      help="TP sizes to observe at (--tp 2 4 or --tp 2 --tp 4)")
+    discover.add_argument("--steps", type=int, metavar="K", help=f"save steps observed per TP size (default {DEFAULT_STEPS})")
     discover.add_argument("--out", type=Path, help="directory the reports go to (default ./discovery)")
     discover.add_argument("reports", nargs="*", metavar="REPORT", help="discovery reports (--propose, --check)")
     discover.add_argument("--output", "-o", type=Path, help="file the proposed policy goes to (default: stdout)")
@@ -115,6 +116,8 @@ def _observe(args: argparse.Namespace) -> int:
 
 
 def _run_observe(args: argparse.Namespace) -> int:
+    # The layout is judged before torch, vLLM and Mooncake are imported (seconds): a wrong path is refused at once.
+    layout = load_layout(args.layout) if args.layout is not None else None
     from kvpolicy.mooncake import MooncakeMaster
     from kvpolicy.mooncake.native_log import native_stderr_to
     from kvpolicy.mooncake.pool import ClientPool
@@ -122,16 +125,11 @@ def _run_observe(args: argparse.Namespace) -> int:
     from kvpolicy.sim.archetypes import BLOCK_SIZE
     from kvpolicy.sim.discover import run_discovery
 
-    if args.layout is not None:
-        layout = load_layout(args.layout)
+    if layout is not None:
         stem = Path(args.layout).stem
         archetype = archetype_from_layout(layout, layers_per_group=2, name=stem, num_kv_heads=None)
     else:
-        try:
-            archetype = get_archetype(args.archetype)
-        except ValueError as error:
-            print(f"kvpolicy discover: error: {error}", file=sys.stderr)
-            return 2
+        archetype = get_archetype(args.archetype)  # the name was checked when parsed
         stem = archetype.name
     try:
         args.out.mkdir(parents=True, exist_ok=True)

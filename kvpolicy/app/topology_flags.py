@@ -107,10 +107,17 @@ def add_topology_flag(parser: argparse.ArgumentParser, field: str, **overrides: 
     return parser.add_argument(flag.flag, **settings)
 
 
-def add_topology_flags(parser: argparse.ArgumentParser, *, required: tuple[str, ...] = ("tp_size",)) -> None:
-    """Add the flag of every :class:`Topology` field to ``parser``; the ``required`` ones must be given."""
+def add_topology_flags(
+    parser: argparse.ArgumentParser, *, required: tuple[str, ...] = ("tp_size",), several: tuple[str, ...] = ()
+) -> None:
+    """Add the flag of every :class:`Topology` field to ``parser``; the ``required`` ones must be given,
+    the ``several`` ones take one or more sizes (repeated or space-separated: ``--tp 2 4``, ``--tp 2 --tp 4``)."""
     for flag in TOPOLOGY_FLAGS:
-        add_topology_flag(parser, flag.field, required=flag.field in required)
+        overrides: dict[str, Any] = {"required": flag.field in required}
+        if flag.field in several:
+            overrides.update(nargs="+", default=[flag.default],
+                             help=f"{flag.help} Several sizes (--{flag.dest} 2 4, or the flag repeated) are each taken in turn.")
+        add_topology_flag(parser, flag.field, **overrides)
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
