@@ -12,15 +12,16 @@ import os
 import stat
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from importlib import resources
 from pathlib import Path as FilePath
-from typing import Any, Union
+from types import MappingProxyType
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ValidationError
 
 from kvpolicy import catalog
-from kvpolicy.diagnostics import CHECKS_BY_NAME, Diagnostic, DocumentError
+from kvpolicy.diagnostics import CHECKS_BY_NAME, Diagnostic, DocumentError, printable_path
 from kvpolicy.expressions import Expression, ExpressionError
 from kvpolicy.models import (
     SPEC_VARIABLES,
@@ -34,6 +35,9 @@ from kvpolicy.models import (
 from kvpolicy.discovery import DiscoveryReport
 from kvpolicy.routers import template_router_problems
 from kvpolicy.yamlsource import MAX_DOCUMENT_BYTES, Path, SourceMap, parse
+
+_NOTHING_DECLARED: Mapping[str, str] = MappingProxyType({})
+"""No spec class declared besides vLLM's (a policy checked on its own)."""
 
 Document = Policy | Layout | DiscoveryReport
 """One top-level document, as a file holds it: a replication policy, a model layout, or a discovery
@@ -76,33 +80,56 @@ def shipped_policy_names() -> tuple[str, ...]:
     return tuple(sorted(path.stem for path in policies_dir().glob("*.yaml")))
 
 
+def shipped_layout_names() -> tuple[str, ...]:
+    """The example layouts shipped with kvpolicy, by the name ``--layout`` takes (``llama-3.1-70b``)."""
+    return tuple(sorted(path.stem for path in layouts_dir().glob("*.yaml")))
+
+
+EMPTY_PATH = "<empty path>"
+"""What a diagnostic names as its file when the path given was empty (an empty location prefix,
+``:1:1:``, would read as a formatting slip)."""
+
+
+def _empty_path(give: str) -> DocumentError:
+    return DocumentError([Diagnostic(EMPTY_PATH, 1, 1, "error", f"the path is empty; give {give}", "KVP001")])
+
+
 def resolve_policy_path(name_or_path: str) -> FilePath:
     """A shipped policy's name (``default``) or a path to a policy file."""
+    return _resolve(name_or_path, "policy", policies_dir(), shipped_policy_names())
+
+
+def resolve_layout_path(name_or_path: str) -> FilePath:
+    """A shipped example layout's name (``llama-3.1-70b``) or a path to a layout file."""
+    return _resolve(name_or_path, "layout", layouts_dir(), shipped_layout_names(), shipped_as="shipped example layout")
+
+
+def _resolve(
+    name_or_path: str, what: str, directory: FilePath, names: tuple[str, ...], *, shipped_as: str | None = None
+) -> FilePath:
+    """``name_or_path`` as a file path (it names a YAML file, an existing file or a path with a folder
+    in it), else the shipped document of that name in ``directory``; :class:`DocumentError` naming
+    what was typed, the nearest shipped name and every shipped one when it is neither."""
+    shipped_as = shipped_as or f"shipped {what}"
+    if not name_or_path:
+        raise _empty_path(f"a {shipped_as} name ({', '.join(names)}) or a {what} file")
     path = FilePath(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists() or "/" in name_or_path:
         return path
-    shipped = policies_dir() / f"{name_or_path}.yaml"
+    shipped = directory / f"{name_or_path}.yaml"
     if shipped.is_file():
         return shipped
-    names = shipped_policy_names()
     close = difflib.get_close_matches(name_or_path, names, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     raise DocumentError(
         [
             Diagnostic(
                 name_or_path, 1, 1, "error",
-                f"no policy file or shipped policy named '{name_or_path}'{hint} (shipped: {', '.join(names)})",
+                f"no {what} file or {shipped_as} named '{name_or_path}'{hint} (shipped: {', '.join(names)})",
                 "KVP001",
             )
         ]
     )
-
-
-def resolve_layout_path(name_or_path: str) -> FilePath:
-    path = FilePath(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists() or "/" in name_or_path:
-        return path
-    return layouts_dir() / f"{name_or_path}.yaml"
 
 
 # --- loading -----------------------------------------------------------------------------------
@@ -117,6 +144,52 @@ _FILE_KINDS = (
 )
 
 
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words (``a FIFO``), from its ``st_mode``."""
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+
+
+class FileRefused(Exception):
+    """A file :func:`read_regular_file` did not read, or not whole: ``reason`` says why, in words that
+    complete "cannot read file: ..." (``it is a FIFO``, ``No such file or directory``); ``kind`` says
+    which refusal it is, so that each reader can add its own fix."""
+
+    def __init__(self, kind: Literal["empty", "special", "os", "nul", "large"], reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+def read_regular_file(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of the regular file at ``path``, at most ``limit`` of them, whatever ``path`` names.
+
+    Its type is checked before it is opened: a FIFO, a device, a directory or a socket is never
+    opened, so it never blocks (a FIFO without a writer) or streams (``/dev/zero``). It is opened with
+    ``O_NONBLOCK`` and checked again, should it have turned into a FIFO in between, and one byte past
+    ``limit`` is read only to tell a larger file. Raises :class:`FileRefused`: ``empty`` (the path is
+    the empty string), ``special`` (not a regular file), ``os`` (the OS's reason), ``nul`` (a NUL in
+    the path, which the OS cannot even be asked about), ``large`` (more than ``limit`` bytes)."""
+    if not os.fspath(path):
+        raise FileRefused("empty", "the path is empty")
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise FileRefused("special", f"it is {file_kind(mode)}")
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+        with os.fdopen(descriptor, "rb") as stream:
+            opened = os.fstat(stream.fileno()).st_mode
+            if not stat.S_ISREG(opened):
+                raise FileRefused("special", f"it is {file_kind(opened)}")
+            data = stream.read(limit + 1)
+    except OSError as error:
+        raise FileRefused("os", error.strerror or str(error)) from None
+    except ValueError:
+        raise FileRefused("nul", "the path contains a NUL character") from None
+    if len(data) > limit:
+        raise FileRefused("large", f"it is larger than {limit} bytes")
+    return data
+
+
 class _Unreadable(Exception):
     """A file that is not read at all, with a diagnostic saying why."""
 
@@ -125,36 +198,31 @@ class _Unreadable(Exception):
         self.diagnostic = diagnostic
 
 
-def _not_regular(mode: int) -> str:
-    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
-
-
 def _read_bounded(path: str | FilePath) -> str:
-    """The text of a policy or layout file, read within bounds whatever ``path`` is: only a regular
-    file (checked before it is opened, so a FIFO or device never blocks or streams), at most
-    :data:`~kvpolicy.yamlsource.MAX_DOCUMENT_BYTES`, UTF-8. Raises :class:`_Unreadable`."""
+    """The text of a policy, layout or discovery report file, read within bounds whatever ``path`` is
+    (:func:`read_regular_file`: only a regular file, at most
+    :data:`~kvpolicy.yamlsource.MAX_DOCUMENT_BYTES`), UTF-8. Raises :class:`_Unreadable`."""
     name = str(path)
 
     def unreadable(message: str, line: int = 1, column: int = 1) -> _Unreadable:
         return _Unreadable(Diagnostic(name, line, column, "error", message, "KVP001"))
 
     try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
-            raise unreadable(f"cannot read file: it is {_not_regular(mode)}; give a YAML file")
-        # O_NONBLOCK: should the path turn into a FIFO after the check, opening it still returns at once.
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
-        with os.fdopen(descriptor, "rb") as stream:
-            opened = os.fstat(stream.fileno()).st_mode
-            if not stat.S_ISREG(opened):
-                raise unreadable(f"cannot read file: it is {_not_regular(opened)}; give a YAML file")
-            data = stream.read(MAX_DOCUMENT_BYTES + 1)
-    except OSError as error:
-        raise unreadable(f"cannot read file: {error.strerror or error}") from None
-    except ValueError:  # what the OS cannot even be asked: a path holding a NUL character
-        raise unreadable("cannot read file: the path contains a NUL character; give a file name without one") from None
-    if len(data) > MAX_DOCUMENT_BYTES:
-        raise unreadable(f"file is larger than {MAX_DOCUMENT_BYTES} bytes; a policy, layout or discovery report is a few KiB")
+        data = read_regular_file(path, MAX_DOCUMENT_BYTES)
+    except FileRefused as refused:
+        if refused.kind == "empty":
+            raise _Unreadable(Diagnostic(
+                EMPTY_PATH, 1, 1, "error", "the path is empty; give a policy, layout or discovery report file", "KVP001"
+            )) from None
+        if refused.kind == "special":
+            raise unreadable(f"cannot read file: {refused.reason}; give a YAML file") from None
+        if refused.kind == "nul":
+            raise unreadable("cannot read file: the path contains a NUL character; give a file name without one") from None
+        if refused.kind == "large":
+            raise unreadable(
+                f"file is larger than {MAX_DOCUMENT_BYTES} bytes; a policy, layout or discovery report is a few KiB"
+            ) from None
+        raise unreadable(f"cannot read file: {refused.reason}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -173,23 +241,27 @@ def read_text(path: str | FilePath) -> str:
         raise DocumentError([error.diagnostic]) from None
 
 
-def check_file(path: str | FilePath) -> tuple[Document | None, list[Diagnostic]]:
+def check_file(
+    path: str | FilePath, *, declared_classes: Mapping[str, str] = _NOTHING_DECLARED
+) -> tuple[Document | None, list[Diagnostic]]:
     """:func:`check_text` of a file, read within bounds (:func:`_read_bounded`)."""
     try:
         text = _read_bounded(path)
     except _Unreadable as error:
         return None, [error.diagnostic]
-    return check_text(text, str(path))
+    return check_text(text, str(path), declared_classes=declared_classes)
 
 
 MAX_DIAGNOSTICS_PER_FILE = 100
 """Problems reported per file; the rest are counted in one last diagnostic."""
 
 
-def check_text(text: str, path: str = "<string>") -> tuple[Document | None, list[Diagnostic]]:
+def check_text(
+    text: str, path: str = "<string>", *, declared_classes: Mapping[str, str] = _NOTHING_DECLARED
+) -> tuple[Document | None, list[Diagnostic]]:
     """Parse and validate one document; never raises on bad input. At most
     :data:`MAX_DIAGNOSTICS_PER_FILE` problems are listed, then how many more there are."""
-    document, problems, undescribed = _check_text(text, path)
+    document, problems, undescribed = _check_text(text, path, declared_classes)
     shown = problems[:MAX_DIAGNOSTICS_PER_FILE]
     hidden = len(problems) - len(shown) + undescribed
     if hidden:
@@ -202,7 +274,7 @@ def check_text(text: str, path: str = "<string>") -> tuple[Document | None, list
     return document, problems
 
 
-def _check_text(text: str, path: str) -> tuple[Document | None, list[Diagnostic], int]:
+def _check_text(text: str, path: str, declared_classes: Mapping[str, str]) -> tuple[Document | None, list[Diagnostic], int]:
     """(document or None, problems, how many more problems were found but not described)."""
     data, source, problems = parse(text, path)
     if data is None and problems:
@@ -225,7 +297,7 @@ def _check_text(text: str, path: str) -> tuple[Document | None, list[Diagnostic]
         # rest validates); the same problem found both ways is reported once.
         problems.extend(itertools.islice(_warnings_for_raw(data, model, source), MAX_DIAGNOSTICS_PER_FILE + 1))
         return None, sorted(set(problems)), undescribed
-    document_problems = list(_semantic_checks(document, source))
+    document_problems = list(_semantic_checks(document, source, declared_classes))
     problems.extend(document_problems)
     problems.sort()
     if any(problem.severity == "error" for problem in problems):
@@ -481,21 +553,34 @@ def _warnings_for_raw(data: dict[str, Any], model: type[BaseModel], source: Sour
 # --- checks that need the whole document ---------------------------------------------------------
 
 
-def _semantic_checks(document: Document, source: SourceMap) -> Iterator[Diagnostic]:
+def _semantic_checks(document: Document, source: SourceMap, declared_classes: Mapping[str, str]) -> Iterator[Diagnostic]:
     if isinstance(document, Policy):
-        yield from _policy_checks(document, source)
+        yield from _policy_checks(document, source, declared_classes)
     elif isinstance(document, Layout):
         yield from _layout_checks(document, source)
 
 
-def _policy_checks(policy: Policy, source: SourceMap) -> Iterator[Diagnostic]:
+def declared_spec_classes(layouts: Iterable[tuple[str, Layout]]) -> dict[str, str]:
+    """Spec class name → the first of ``layouts`` (path, layout) that declares it (as a spec's class or
+    one of its bases): what a policy checked beside them may name besides vLLM's own classes."""
+    declared: dict[str, str] = {}
+    for path, layout in layouts:
+        for group in layout.groups:
+            for member in group.members:
+                for name in (member.spec.type, *member.spec.bases):
+                    declared.setdefault(name, path)
+    return declared
+
+
+def _policy_checks(policy: Policy, source: SourceMap, declared_classes: Mapping[str, str]) -> Iterator[Diagnostic]:
     shadows = _ShadowIndex()
     field_names = catalog.SPEC_FIELDS | frozenset(SPEC_VARIABLES) | frozenset(policy.spec_fields)
     for index, rule in enumerate(policy.rules):
         for class_name in rule.match.spec or ():
-            if class_name not in catalog.SPEC_CLASSES:
-                close = difflib.get_close_matches(class_name, catalog.SPEC_CLASSES, n=1)
-                hint = f"; did you mean '{close[0]}'?" if close else " (fine for a plugin's spec class)"
+            if class_name not in catalog.SPEC_CLASSES and class_name not in declared_classes:
+                close = difflib.get_close_matches(class_name, [*declared_classes, *catalog.SPEC_CLASSES], n=1)
+                whose = f" (declared by {printable_path(declared_classes[close[0]])})" if close and close[0] in declared_classes else ""
+                hint = f"; did you mean '{close[0]}'{whose}?" if close else " (fine for a plugin's spec class)"
                 yield source.diagnostic(
                     ("rules", index, "match", "spec"),
                     f"'{class_name}' is not a spec class of vLLM 0.32{hint}",
@@ -525,6 +610,7 @@ def _policy_checks(policy: Policy, source: SourceMap) -> Iterator[Diagnostic]:
                 severity="warning",
             )
     yield from _router_checks(policy, source)
+
 
 
 def _router_checks(policy: Policy, source: SourceMap) -> Iterator[Diagnostic]:

@@ -7,6 +7,11 @@ an unknown ``kvpolicy*`` key with one located line each, all at once::
 
     kv_connector_extra_config.kvpolicy_read_failure_ttl_s: error: must be a number of seconds >= 0 ...
 
+The side files rank 0 writes (:data:`SIDE_FILES`) are judged by their text on every parse, and against
+this host's files (:meth:`KVPolicySettings.side_file_problems`) where the writer asks; one that still
+cannot be written when it is written is one log line there, never a stopped rank
+(:func:`kvpolicy.runtime.policy.write_side_file`).
+
 :meth:`KVPolicySettings.kv_transfer_config` is the one builder of vLLM's ``--kv-transfer-config``
 for the connector (what ``kvpolicy vllm-config`` prints). Pure: usable by the CLI without vLLM.
 """
@@ -16,12 +21,15 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
+
+from kvpolicy.diagnostics import printable_path
 
 __all__ = [
     "CONNECTOR_CLASS",
@@ -31,6 +39,7 @@ __all__ = [
     "EXTRA_CONFIG",
     "KVPolicySettings",
     "PolicySelection",
+    "SIDE_FILES",
     "SettingsError",
     "keys_path_beside",
     "policy_usage",
@@ -49,6 +58,9 @@ DEFAULT_DISCOVER_STEPS = 16
 """Save steps the connector observes under ``kvpolicy_discover`` unless told otherwise."""
 DEFAULT_PIECE_MIB = 256.0
 """MiB one rank stages per exchange of a striped load unless ``kvpolicy_striped_piece_mib`` says."""
+SIDE_FILES = ("kvpolicy_plan_json", "kvpolicy_keys_json", "kvpolicy_dynamo_json", "kvpolicy_layout_out", "kvpolicy_discover")
+"""The keys naming a file rank 0 writes (an observability side file: one it cannot write is logged, and
+the instance serves on)."""
 KEY_PREFIX = "kvpolicy"
 """Keys starting with this are the connector's own: an unknown one is a misspelling, not vLLM's."""
 
@@ -159,16 +171,20 @@ class KVPolicySettings(BaseModel):
             return os.fspath(setting) or None
         raise _problem(f"is a {type(setting).__name__}; {policy_usage()}")
 
-    @field_validator(
-        "kvpolicy_plan_json", "kvpolicy_keys_json", "kvpolicy_dynamo_json", "kvpolicy_layout_out", "kvpolicy_discover",
-        mode="before",
-    )
+    @field_validator(*SIDE_FILES, mode="before")
     @classmethod
     def _path(cls, value: object) -> object:
         if value is None or value == "":
             return None
         if not isinstance(value, (str, os.PathLike)):
-            raise _problem(f"must be a file path, got {value!r}")
+            raise _problem(f"must be a file path, got {_shown(value)}")
+        text = os.fspath(value)
+        if not isinstance(text, str):
+            raise _problem(f"must be a file path as text, got {_shown(value)}")
+        if "\0" in text:
+            raise _problem(f"the path contains a NUL character ({_shown(text)}); give a file path without one")
+        if text.endswith(("/", os.sep)) or os.path.basename(text) in (".", ".."):
+            raise _problem(f"names a directory ({_shown(text)}); give the path of a file in it")
         return value
 
     @field_validator("kvpolicy_read_failure_ttl_s", mode="before")
@@ -193,9 +209,14 @@ class KVPolicySettings(BaseModel):
     # --- reading ---------------------------------------------------------------------------------
 
     @classmethod
-    def parse(cls, extra_config: Mapping[str, Any]) -> KVPolicySettings:
+    def parse(cls, extra_config: Mapping[str, Any], *, check_side_files: bool = False) -> KVPolicySettings:
         """The settings in ``extra_config`` (vLLM's ``kv_connector_extra_config``); keys not starting
-        with ``kvpolicy`` are vLLM's and ignored. :class:`SettingsError` with every problem."""
+        with ``kvpolicy`` are vLLM's and ignored. :class:`SettingsError` with every problem.
+
+        A side-file path is judged by its text always (a NUL, a directory's spelling, two settings
+        naming one file); with ``check_side_files`` also against this host's files
+        (:meth:`side_file_problems`): for the process that writes them (global rank 0), not for a
+        configuration built here to run elsewhere, nor for ranks on other hosts, which write none."""
         ours = {key: value for key, value in extra_config.items() if str(key).startswith(KEY_PREFIX)}
         known = tuple(cls.model_fields)
         problems = [_unknown_key(str(key), known) for key in ours if key not in known]
@@ -204,10 +225,58 @@ class KVPolicySettings(BaseModel):
             settings = cls(**{key: value for key, value in ours.items() if key in known})
         except ValidationError as error:
             problems[:0] = [_located(entry) for entry in error.errors()]
+        if settings is not None:
+            problems.extend(settings._shared_side_files())
+            if check_side_files:
+                problems.extend(settings.side_file_problems())
         if problems:
             raise SettingsError(tuple(problems))
         assert settings is not None
         return settings
+
+    def side_files(self) -> tuple[tuple[str, Path], ...]:
+        """(key, path) of every file rank 0 writes, in key order; the key contract beside the plan
+        (:meth:`keys_json_path`) under ``kvpolicy_plan_json`` when ``kvpolicy_keys_json`` is unset."""
+        found = [(key, getattr(self, key)) for key in SIDE_FILES if getattr(self, key) is not None]
+        if self.kvpolicy_keys_json is None and self.kvpolicy_plan_json is not None:
+            found.append(("kvpolicy_plan_json", keys_path_beside(self.kvpolicy_plan_json)))
+        return tuple(found)
+
+    def side_file_problems(self) -> tuple[str, ...]:
+        """What keeps rank 0 from writing a side file on this host, one located line each: the path
+        names a directory or a special file (a device would be replaced whole), or its directory is
+        missing, not a directory or not writable by this user. Nothing is created or changed."""
+        problems: list[str] = []
+        for key, path in self.side_files():
+            if getattr(self, key) == path:
+                reason = _unwritable(path)
+            else:  # the key contract beside the plan: the plan's own line says what is wrong with its directory
+                try:
+                    occupied = _occupied(path)
+                except OSError:
+                    occupied = None
+                reason = None if occupied is None else (
+                    f"the key contract is written beside it, to {_shown(str(path))}, which is {occupied}; "
+                    "set kvpolicy_keys_json to another path"
+                )
+            if reason is not None:
+                problems.append(f"{EXTRA_CONFIG}.{key}: error: {reason}")
+        return tuple(problems)
+
+    def _shared_side_files(self) -> list[str]:
+        """Two side files on one path: each rewrite would replace the other's document."""
+        seen: dict[str, str] = {}
+        problems = []
+        for key, path in self.side_files():
+            spelled = os.path.normpath(path)
+            earlier = seen.setdefault(spelled, key)
+            if earlier != key:
+                what = "its key contract" if key == "kvpolicy_plan_json" else "it"
+                problems.append(
+                    f"{EXTRA_CONFIG}.{key}: error: {what} would be written to {_shown(spelled)}, the file of "
+                    f"{earlier}; give each side file its own path"
+                )
+        return problems
 
     @property
     def policy_name(self) -> str | None:
@@ -264,6 +333,53 @@ def keys_path_beside(plan_path: Path) -> Path:
     """Where the key contract goes without ``kvpolicy_keys_json``: ``<plan file stem>.keys.json`` beside
     the plan (``plan.json`` -> ``plan.keys.json``), never the plan file itself."""
     return plan_path.with_name(f"{plan_path.stem}.keys.json")
+
+
+def _occupied(path: Path) -> str | None:
+    """What stands at ``path`` that a side file must not replace ("a directory", "a FIFO"), or None
+    (nothing, a regular file or a link, which the write replaces as a link). Raises ``OSError``."""
+    from kvpolicy.loader import file_kind  # the loader reads the shipped documents, the model needs no files
+
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    return None if stat.S_ISREG(mode) or stat.S_ISLNK(mode) else file_kind(mode)
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why rank 0 could not write ``path`` as a side file here (it replaces it whole, through a fresh
+    file beside it), or None. Looks only: creates nothing."""
+    shown = _shown(str(path))
+    parent = path.parent
+    where = _shown(str(parent))
+    try:
+        parent_mode = os.stat(parent).st_mode
+    except FileNotFoundError:
+        return f"the directory {where} does not exist; create it, or give a path in an existing directory"
+    except NotADirectoryError:
+        return f"the directory {where} cannot exist: a folder on its path is a file; give a path in a directory"
+    except OSError as error:  # a name too long, a folder not searchable, a loop of links
+        return f"cannot reach the directory {where}: {error.strerror or error}"
+    if not stat.S_ISDIR(parent_mode):
+        return f"{where} is not a directory; give a path in a directory"
+    try:
+        occupied = _occupied(path)
+    except OSError as error:
+        return f"cannot write {shown}: {error.strerror or error}"
+    if occupied == "a directory":
+        return f"names a directory ({shown}); give the path of a file in it"
+    if occupied is not None:
+        return f"names {occupied} ({shown}), which writing the side file would replace; give the path of a regular file"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"the directory {where} is not writable by this user (uid {os.geteuid()}); make it writable, or give another"
+    return None
+
+
+def _shown(value: object, limit: int = 200) -> str:
+    """``value`` in an error line: a path printable on one line, anything else its repr, cut to ``limit``."""
+    text = printable_path(value) if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def _open_to_vllm_keys(schema: dict[str, Any]) -> None:

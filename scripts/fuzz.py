@@ -49,6 +49,8 @@ TARGETS: dict[str, tuple[float, st.SearchStrategy[Any], Callable[[Any], None]]] 
         lambda case: fs.special_file_contract(case[0], case[1], SCRATCH.parent),
     ),
     "cli-flags": (0.5, fs.plan_argvs(), fs.cli_contract),
+    "command-line-edges": (0.5, fs.command_line_edges(), fs.cli_contract),
+    "several-sizes": (0.2, st.lists(st.integers(1, 16), min_size=1, max_size=4), fs.several_sizes_contract),
     "alias-amplified-documents": (0.5, fs.alias_amplified_documents(), fs.memory_contract),
     "tagged-documents": (1, fs.tagged_documents(), fs.check_contract),
     "odd-paths": (

@@ -21,12 +21,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-__all__ = ["CommandParser", "StoreOnce", "nearest_flag", "unrecognized"]
+__all__ = ["MAX_VALUES", "CommandParser", "StoreOnce", "nearest_flag", "unrecognized"]
 
 _GIVEN = "_kvpolicy_flags_given"
 """The namespace attribute holding the destinations a flag has already stored into."""
 
 _LISTS = ("+", "*")
+
+MAX_VALUES = 64
+"""Values a flag of several values takes in one command (what each computes, and prints, grows with them)."""
 
 
 class StoreOnce(argparse.Action):
@@ -47,7 +50,10 @@ class StoreOnce(argparse.Action):
         given: set[str] = namespace.__dict__.setdefault(_GIVEN, set())
         if self.collect:
             new = list(values) if isinstance(values, list) else [values]
-            setattr(namespace, self.dest, [*getattr(namespace, self.dest), *new] if self.dest in given else new)
+            collected = [*getattr(namespace, self.dest), *new] if self.dest in given else new
+            if len(collected) > MAX_VALUES:
+                parser.error(f"{option_string} takes at most {MAX_VALUES} values, got {len(collected)}")
+            setattr(namespace, self.dest, collected)
         elif self.dest in given:
             before = getattr(namespace, self.dest)
             parser.error(

@@ -7,6 +7,7 @@ or a check failed; 2 the command line is wrong.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
@@ -15,17 +16,25 @@ from pathlib import Path
 from typing import Any
 
 from kvpolicy import schema
-from kvpolicy import __version__
+from kvpolicy import __version__, catalog
 from kvpolicy.app.archetypes import archetype_name, archetypes_help
 from kvpolicy.app.args import CommandParser
 from kvpolicy.app.diagnostic_formats import FORMATS, FileResult, Selection, parse_codes, render
 from kvpolicy.app.rule import run_rule
 from kvpolicy.app.discover import add_discover_parser
-from kvpolicy.app.topology_flags import add_topology_flag, add_topology_flags, topology_from_args
+from kvpolicy.app.topology_flags import add_topology_flag, add_topology_flags, several_help, topology_from_args
 from kvpolicy.contract import KeyContract, key_contract
 from kvpolicy.diagnostics import Diagnostic, DocumentError, PlanError, printable_path
 from kvpolicy.engine import make_plan, plan_deployment
-from kvpolicy.loader import check_file, load_layout, load_policy, resolve_policy_path, schemas_dir, shipped_policy_names
+from kvpolicy.loader import (
+    check_file,
+    declared_spec_classes,
+    load_layout,
+    load_policy,
+    resolve_policy_path,
+    schemas_dir,
+    shipped_policy_names,
+)
 from kvpolicy.models import KV_CACHE_LAYOUTS, Layout, Policy
 from kvpolicy.plan import Plan
 from kvpolicy.report import (
@@ -49,10 +58,18 @@ def _validate(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvpolicy validate: error: {error}", file=sys.stderr)
         return 2
-    results = []
-    for path in args.paths:
-        document, problems = check_file(path)
-        results.append(FileResult(path, None if document is None else document.kind, selection.apply(problems)))
+    checked = [(path, *check_file(path)) for path in args.paths]
+    # A spec class a layout of this command declares (a plugin's) is known to the policies beside it.
+    declared = declared_spec_classes((path, document) for path, document, _ in checked if isinstance(document, Layout))
+    if declared:
+        checked = [
+            (path, *check_file(path, declared_classes=declared)) if isinstance(document, Policy) else (path, document, problems)
+            for path, document, problems in checked
+        ]
+    results = [
+        FileResult(path, None if document is None else document.kind, selection.apply(problems))
+        for path, document, problems in checked
+    ]
     out, err = render(results, args.format)
     sys.stdout.write(out)
     sys.stderr.write(err)
@@ -155,23 +172,28 @@ def _planned_with_policy(args: argparse.Namespace) -> tuple[Policy, list[tuple[P
     return policy, planned
 
 
-def idle_rules(policy: Policy, plans: Sequence[Plan]) -> list[str]:
-    """One note for each set of rules of ``policy`` that decide no layer of the ``plans`` (they match
-    none of the layout's layers at that topology, or an earlier rule takes each one): a general
-    policy has some for every model, a misspelled class or field shows here."""
-    idle_at: dict[tuple[str, ...], list[int]] = {}
-    for plan in plans:
-        deciding = {decision.rule for group in plan.groups for decision in group.decisions}
-        idle = tuple(rule.name for rule in policy.rules if rule.name not in deciding)
-        if idle:
-            idle_at.setdefault(idle, []).append(plan.topology.tp_size)
-    every = len(plans)
-    return [
-        f"note: {len(idle)} of {len(policy.rules)} rules of policy {policy.name} decide no layer of "
-        f"{plans[0].model}{'' if len(sizes) == every else ' at tp ' + ', '.join(map(str, sizes))}: "
-        f"{', '.join(idle)} (each matches none of its layers, or an earlier rule takes them)"
-        for idle, sizes in idle_at.items()
-    ]
+def idle_rules(policy: Policy, plan: Plan) -> tuple[str, ...]:
+    """The rules of ``policy`` that decide no layer of ``plan``: each matches none of the layout's layers
+    at that topology, or an earlier rule takes them. A general policy has some for every model; a
+    misspelled class or field shows here."""
+    deciding = {decision.rule for group in plan.groups for decision in group.decisions}
+    return tuple(rule.name for rule in policy.rules if rule.name not in deciding)
+
+
+def undeclared_classes(policy: Policy, layout: Layout) -> list[str]:
+    """A warning for each spec class a rule of ``policy`` matches that neither vLLM 0.32 nor ``layout``
+    declares, with the layout's nearest class: the rule can decide nothing for this model."""
+    declared = {name for group in layout.groups for member in group.members for name in (member.spec.type, *member.spec.bases)}
+    warnings = []
+    for index, rule in enumerate(policy.rules):
+        for name in rule.match.spec or ():
+            if name in declared or name in catalog.SPEC_CLASSES:
+                continue
+            close = difflib.get_close_matches(name, sorted(declared), n=1)
+            hint = f"; did you mean '{close[0]}' (the layout's)?" if close else ""
+            warnings.append(f"warning: rule '{rule.name}' ({policy.rule_origin(index)}) matches spec class "
+                            f"'{printable_path(name)}', which neither vLLM 0.32 nor layout {layout.model} declares{hint}")
+    return warnings
 
 
 def _policy_and_layout(policy: str, layout: str) -> tuple[Policy, Layout]:
@@ -232,8 +254,8 @@ def _dynamo(contracts: list[tuple[KeyContract, Layout]]) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     policy, planned = _planned_with_policy(args)
-    for note in idle_rules(policy, [result for result, _, _ in planned]):
-        print(note, file=sys.stderr)
+    for warning in undeclared_classes(policy, planned[0][1]):
+        print(warning, file=sys.stderr)
     if args.format == "json":
         payloads = []
         for result, layout, _ in planned:
@@ -249,6 +271,9 @@ def _plan(args: argparse.Namespace) -> int:
         if index:
             print()
         print(format_plan_table(result))
+        idle = idle_rules(policy, result)
+        if idle:
+            print(f"rules deciding no layer: {', '.join(idle)}")
         if store.sharding is None and store.store_namespace:
             print(f"store layout: {store.reason}")
         if args.prompt_tokens is not None:
@@ -491,12 +516,12 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("paths", nargs="+", metavar="PATH")
     validate.add_argument("--format", choices=FORMATS, default="text", help="text, json, github (Actions annotations) or sarif")
     validate.add_argument(
-        "--select", type=parse_codes, nargs="+", default=(), metavar="CODES",
-        help="report only these warnings (codes or prefixes, comma-separated; repeatable)",
+        "--select", type=parse_codes, action="append", default=(), metavar="CODES",
+        help="report only these warnings: codes or prefixes, comma-separated (KVP201,KVP203) or the flag repeated",
     )
     validate.add_argument(
-        "--ignore", type=parse_codes, nargs="+", default=(), metavar="CODES",
-        help="do not report these warnings (comma-separated; repeatable)",
+        "--ignore", type=parse_codes, action="append", default=(), metavar="CODES",
+        help="do not report these warnings: comma-separated or the flag repeated",
     )
     validate.add_argument(
         "--warnings-as-errors", action="store_true", help="count the warnings reported as errors (exit 1)"
@@ -560,8 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("old", metavar="OLD", help="the policy before the edit (a shipped name or a path)")
     diff.add_argument("new", metavar="NEW", help="the policy after the edit")
     diff.add_argument("--layout", nargs="+", help="layouts' names or paths (repeatable; default: every example)")
-    add_topology_flag(diff, "tp_size", nargs="+", default=[1, 2, 4, 8],
-                      help="TP sizes to compare at (--tp 2 4 or --tp 2 --tp 4; default 1 2 4 8)")
+    add_topology_flag(diff, "tp_size", nargs="+", default=[1, 2, 4, 8], help=several_help("tp_size", [1, 2, 4, 8]))
     add_topology_flag(diff, "pp_size")
     diff.add_argument("--format", choices=("text", "json"), default="text")
     diff.set_defaults(run=_diff)

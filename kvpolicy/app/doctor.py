@@ -48,6 +48,8 @@ from pydantic import Field
 
 from kvpolicy.app.elf import DynamicSection, ElfError, cudart_majors, read_dynamic_file
 from kvpolicy.app.environment import environment
+from kvpolicy.diagnostics import printable_path
+from kvpolicy.loader import FileRefused, read_regular_file
 from kvpolicy.models import DocumentVersion, StrictModel
 from kvpolicy.report import DOCUMENT_VERSIONS
 
@@ -58,6 +60,8 @@ MOONCAKE_BUILDS: Mapping[int | None, str] = {
 }
 """The Mooncake distribution to install beside a torch built for CUDA major N (None: a CPU torch).
 Its native modules NEED ``libcudart.so.N`` (the non-CUDA build: none); read from the 0.3.13.post1 wheels."""
+MAX_MOONCAKE_CONFIG_BYTES = 2**20
+"""The most of ``MOONCAKE_CONFIG_PATH`` the doctor reads (1 MiB): a Mooncake config is a few hundred bytes."""
 
 SYSTEM_LIBRARIES: Mapping[str, str] = {
     "libibverbs.so.1": "libibverbs1",
@@ -477,24 +481,46 @@ def check_mooncake_config(environ: Mapping[str, str], *, use_vllm: bool) -> tupl
             message="MOONCAKE_CONFIG_PATH is not set; vLLM's Mooncake store needs it",
             fix="export MOONCAKE_CONFIG_PATH=/path/to/mooncake.json (master_server_address, metadata_server, protocol)",
         )
+    shown = printable_path(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else _one_line(error)
+        # Bounded whatever the path names: a FIFO would block the doctor, /dev/zero stream into memory.
+        text = read_regular_file(path, MAX_MOONCAKE_CONFIG_BYTES).decode("utf-8")
+    except FileRefused as refused:
+        if refused.kind == "large":
+            return _config_failed(
+                message=f"{shown}:1:1: error: cannot read MOONCAKE_CONFIG_PATH: it is larger than "
+                f"{MAX_MOONCAKE_CONFIG_BYTES} bytes (1 MiB); a Mooncake config is a few hundred bytes",
+                fix="point MOONCAKE_CONFIG_PATH at the Mooncake JSON config (master_server_address, metadata_server, protocol)",
+            )
+        if refused.kind == "special":
+            return _config_failed(
+                message=f"{shown}:1:1: error: cannot read MOONCAKE_CONFIG_PATH: {refused.reason}, not a regular file",
+                fix="point MOONCAKE_CONFIG_PATH at a regular JSON file",
+            )
         return _config_failed(
-            message=f"{path}:1:1: error: cannot read MOONCAKE_CONFIG_PATH: {reason}",
+            message=f"{shown}:1:1: error: cannot read MOONCAKE_CONFIG_PATH: {refused.reason}",
             fix="point MOONCAKE_CONFIG_PATH at a readable JSON file (as the user vLLM runs as)",
+        )
+    except UnicodeDecodeError as error:
+        return _config_failed(
+            message=f"{shown}:1:1: error: cannot read MOONCAKE_CONFIG_PATH: not UTF-8 text ({_one_line(error)})",
+            fix="save the config as UTF-8 JSON",
         )
     try:
         config = json.loads(text)
     except json.JSONDecodeError as error:
         return _config_failed(
-            message=f"{path}:{error.lineno}:{error.colno}: error: invalid JSON: {error.msg}",
+            message=f"{shown}:{error.lineno}:{error.colno}: error: invalid JSON: {error.msg}",
             fix="fix the JSON at that line and column",
+        )
+    except RecursionError:
+        return _config_failed(
+            message=f"{shown}:1:1: error: invalid JSON: nested too deeply to read; a Mooncake config is one flat object",
+            fix='write an object: {"master_server_address": "HOST:PORT", "metadata_server": ..., "protocol": ...}',
         )
     if not isinstance(config, dict):
         return _config_failed(
-            message=f"{path}:1:1: error: expected a JSON object, found {type(config).__name__}",
+            message=f"{shown}:1:1: error: expected a JSON object, found {type(config).__name__}",
             fix='write an object: {"master_server_address": "HOST:PORT", "metadata_server": ..., "protocol": ...}',
         )
     if use_vllm:
@@ -507,19 +533,30 @@ def check_mooncake_config(environ: Mapping[str, str], *, use_vllm: bool) -> tupl
                 MooncakeStoreConfig.from_file(path)
             except (ValueError, TypeError) as error:
                 return _config_failed(
-                    message=f"{path}:1:1: error: vLLM refuses it: {_one_line(error)}",
+                    message=f"{shown}:1:1: error: vLLM refuses it: {_one_line(error)}",
                     fix="fix that field (vLLM's MooncakeStoreConfig.from_file reads it)",
                 )
     address = config.get("master_server_address")
     parsed = parse_master_address(address)
     if parsed is None:
         return _config_failed(
-            message=f"{path}:1:1: error: master_server_address must be \"HOST:PORT\", found {json.dumps(address)}",
+            message=f"{shown}:1:1: error: master_server_address must be \"HOST:PORT\", found {_quoted(address)}",
             fix="set master_server_address to the address mooncake_master listens on (its --rpc_address:--rpc_port)",
         )
     protocol = config.get("protocol", "rdma (vLLM's default)")
-    message = f"{path}: master {address}, protocol {protocol}"
+    message = f"{shown}: master {_plain(address)}, protocol {_plain(protocol)}"
     return CheckResult(name="mooncake-config", status="ok", message=message), parsed
+
+
+def _plain(value: object) -> str:
+    """A config value in a line: a short printable string as it is, anything else :func:`_quoted`."""
+    return value if isinstance(value, str) and value.isprintable() and len(value) <= 200 else _quoted(value)
+
+
+def _quoted(value: object, limit: int = 200) -> str:
+    """``value`` as JSON, cut to ``limit`` characters: a config value quoted in a line stays a line."""
+    text = json.dumps(value, ensure_ascii=True)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def _config_failed(*, message: str, fix: str) -> tuple[CheckResult, None]:
@@ -625,7 +662,7 @@ def master_answers(address: MasterAddress, timeout_s: float) -> MasterAnswer:
 
 def check_policy(policy: str) -> CheckResult:
     """The policy validates, and the ``--kv-transfer-config`` line that runs it (``kvpolicy vllm-config``'s)."""
-    from kvpolicy.app.cli import kv_transfer_config
+    from kvpolicy.app.cli import kv_transfer_config, policy_warnings
     from kvpolicy.diagnostics import DocumentError
 
     try:
@@ -638,9 +675,12 @@ def check_policy(policy: str) -> CheckResult:
             details=tuple(str(diagnostic) for diagnostic in error.diagnostics),
         )
     line = json.dumps(config, separators=(",", ":"))
+    warnings = policy_warnings(policy)
+    said = f", with {len(warnings)} warning{'s' if len(warnings) != 1 else ''} (below)" if warnings else ""
     return CheckResult(
         name="policy", status="ok",
-        message=f"{policy} is valid; run vLLM with --kv-transfer-config {shlex.quote(line)}", paste=line,
+        message=f"{policy} is valid{said}; run vLLM with --kv-transfer-config {shlex.quote(line)}", paste=line,
+        details=tuple(str(warning) for warning in warnings),
     )
 
 

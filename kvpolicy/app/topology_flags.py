@@ -15,7 +15,9 @@ from pydantic.fields import FieldInfo
 from kvpolicy.diagnostics import PlanError, PlanProblem
 from kvpolicy.models import Topology
 
-__all__ = ["TOPOLOGY_FLAGS", "TopologyFlag", "add_topology_flag", "add_topology_flags", "flags_of", "topology_from_args"]
+__all__ = [
+    "TOPOLOGY_FLAGS", "TopologyFlag", "add_topology_flag", "add_topology_flags", "flags_of", "several_help", "topology_from_args",
+]
 
 
 @dataclass(frozen=True)
@@ -115,9 +117,15 @@ def add_topology_flags(
     for flag in TOPOLOGY_FLAGS:
         overrides: dict[str, Any] = {"required": flag.field in required}
         if flag.field in several:
-            overrides.update(nargs="+", default=[flag.default],
-                             help=f"{flag.help} Several sizes (--{flag.dest} 2 4, or the flag repeated) are each taken in turn.")
+            overrides.update(nargs="+", default=[flag.default], help=several_help(flag.field))
         add_topology_flag(parser, flag.field, **overrides)
+
+
+def several_help(field: str, default: list[int] | None = None) -> str:
+    """The help of ``field``'s flag where it takes several sizes: the field's docstring, then how."""
+    flag = _BY_FIELD[field]
+    said = f" (default {' '.join(map(str, default))})" if default else ""
+    return f"{flag.help} Several sizes ({flag.flag} 2 4, or the flag repeated) are each taken in turn{said}."
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from kvpolicy.diagnostics import printable_path
 from kvpolicy.discovery import BlockDigest, DiscoveryReport, Observer, RankObservation, dump_report, group_layers
 from kvpolicy.loader import schemas_dir
 from kvpolicy.models import Layout, Topology
-from kvpolicy.runtime.policy import write_text_atomically
+from kvpolicy.runtime.policy import write_side_file
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -69,6 +70,8 @@ class RankDiscovery:
         """Every observed step's cost, in order (at most ``steps``)."""
         self._gather = gather
         self._observed = 0
+        self._written = False
+        """Whether the last rewrite of the report was written."""
         self._observer = Observer(topology.tp_size, group_layers(layout)) if report_path is not None else None
 
     @property
@@ -102,8 +105,9 @@ class RankDiscovery:
             "kvpolicy discover step %d/%d: %d layer blocks per rank; digest %.2f ms, gather %.2f ms, report %.2f ms",
             self._observed, self.steps, blocks, 1e3 * cost.digest, 1e3 * cost.gather, 1e3 * cost.report,
         )
-        if not self.observing:
-            logger.info("kvpolicy discover: %d steps observed, report written to %s", self._observed, self.report_path)
+        if not self.observing and self._written:
+            logger.info("kvpolicy discover: %d steps observed, report written to %s", self._observed,
+                        printable_path(str(self.report_path)))
 
     def _report_due(self) -> bool:
         """Rewrite the report after observed steps 1, 2, 4, 8 ... and the last: a report from the first
@@ -124,11 +128,8 @@ class RankDiscovery:
             return
         schema = schemas_dir() / "discovery.schema.json"
         text = dump_report(report, schema=str(schema.resolve()) if schema.is_file() else None)
-        try:
-            write_text_atomically(self.report_path, text)
-        except OSError as error:
-            logger.error("kvpolicy discover: cannot write the report to %s (kvpolicy_discover): %s",
-                         self.report_path, error.strerror or error)
+        # One that cannot be written is one error line; observing goes on, and the next rewrite tries again.
+        self._written = write_side_file(self.report_path, text, what="discovery report", setting="kvpolicy_discover")
 
 
 def _decoded(payload: object) -> RankObservation:

@@ -13,10 +13,12 @@ layout from the ``KVCacheConfig``, the blocks of a step, digests on KV tensors, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets
+import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,10 +27,11 @@ from typing import Any
 
 from kvpolicy.audit import AuditState, AuditStatus, ReplicationAuditError, StepOutcome, ValueComparison
 from kvpolicy.contract import KeyContract, key_contract
+from kvpolicy.diagnostics import printable_path
 from kvpolicy.dumper import dump_layout
 from kvpolicy.engine import make_plan
 from kvpolicy.keys import KeyContext
-from kvpolicy.loader import schemas_dir
+from kvpolicy.loader import file_kind, schemas_dir
 from kvpolicy.models import Layout, Policy, Topology
 from kvpolicy.plan import Plan
 from kvpolicy.report import format_plan_table, plan_to_json
@@ -57,7 +60,15 @@ from kvpolicy.store_layout import StoreSharding
 # Under "vllm." so records reach vLLM's own handler when it runs in vLLM (it configures that tree only).
 logger = logging.getLogger(f"vllm.{__name__}")
 
-__all__ = ["RankPlace", "RankPolicy", "capture_layout", "plan_and_replan", "status_document", "write_text_atomically"]
+__all__ = [
+    "RankPlace",
+    "RankPolicy",
+    "capture_layout",
+    "plan_and_replan",
+    "status_document",
+    "write_side_file",
+    "write_text_atomically",
+]
 
 
 @dataclass(frozen=True)
@@ -80,8 +91,17 @@ def write_text_atomically(path: Path, text: str) -> None:
     """Replace ``path`` with ``text``: a reader finds the previous file or the whole new one.
 
     A fresh name opened with ``O_EXCL`` never follows a planted symlink; mode 0o666 leaves the umask
-    to decide, as a plain write would (``mkstemp``'s 0600 would hide the file from other users).
+    to decide, as a plain write would (``mkstemp``'s 0600 would hide the file from other users). What
+    stands at ``path`` must be a regular file or a link (replaced as a link): a directory, a FIFO or a
+    device (``/dev/null``, which a rename as root would replace for every program) is left as it is,
+    with an ``OSError`` saying what it is.
     """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        raise OSError(f"it is {file_kind(mode)}, not a regular file; it is left as it is")
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
@@ -91,8 +111,34 @@ def write_text_atomically(path: Path, text: str) -> None:
             os.fsync(stream.fileno())
         os.replace(temporary, path)
     except BaseException:
-        temporary.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the directory may be gone: the first error is the one to tell
+            temporary.unlink(missing_ok=True)
         raise
+
+
+def write_side_file(path: Path, text: str, *, what: str, setting: str) -> bool:
+    """Write one of rank 0's observability side files (:func:`write_text_atomically`); True when it
+    is written. One that cannot be (its directory removed or unwritable, a directory or a device
+    standing at the path, a NUL in it) is one error line naming the path, the setting and the reason,
+    never an exception: a side file never takes a rank down."""
+    try:
+        write_text_atomically(path, text)
+    except (OSError, ValueError) as error:
+        logger.error(
+            "kvpolicy: cannot write the %s to %s (%s): %s; serving on without it",
+            what, printable_path(str(path)), setting, _reason(error, path),
+        )
+        return False
+    return True
+
+
+def _reason(error: OSError | ValueError, path: Path) -> str:
+    """Why a file operation on ``path`` failed, in one line."""
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    if "\0" in str(path):
+        return "the path contains a NUL character"
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def plan_and_replan(
@@ -114,17 +160,16 @@ def plan_and_replan(
     return replan(frozenset()), replan
 
 
-def capture_layout(path: Path, layout: Layout, topology: Topology) -> None:
+def capture_layout(path: Path, layout: Layout, topology: Topology) -> bool:
     """Write ``layout`` (``kvpolicy_layout_out``) as YAML that ``kvpolicy validate`` and ``kvpolicy plan
-    --layout`` read, naming the schema and the topology it was captured at; ``OSError`` naming the key."""
+    --layout`` read, naming the schema and the topology it was captured at. True when written; one
+    that cannot be written is one error line naming the key (:func:`write_side_file`)."""
     schema = schemas_dir() / "layout.schema.json"
     text = dump_layout(layout, captured_at=topology, schema=str(schema.resolve()) if schema.is_file() else None)
-    try:
-        write_text_atomically(path, text)
-    except OSError as error:
-        reason = error.strerror or str(error)
-        raise OSError(f"kvpolicy: cannot write the layout to {path} (kvpolicy_layout_out): {reason}") from error
-    logger.info("kvpolicy layout written to %s", path)
+    if not write_side_file(path, text, what="layout", setting="kvpolicy_layout_out"):
+        return False
+    logger.info("kvpolicy layout written to %s", printable_path(str(path)))
+    return True
 
 
 def status_document(plan: Plan, audit: AuditState | None) -> dict[str, Any]:
@@ -256,33 +301,39 @@ class RankPolicy:
         logger.info(
             "kvpolicy plan (policy %s):\n%s", self.policy.name, format_plan_table(state.plan, audit=state.statuses)
         )
-        self.write_status()
+        written = self.write_status()
         self.tally.plan(state.plan)
-        for what, path in (
-            ("plan", self._plan_json), ("key contract", self._keys_json), ("Dynamo router descriptor", self._dynamo_json)
-        ):
-            if path is not None and path.exists():
-                logger.info("kvpolicy %s written to %s", what, path)
+        for what, path in written:
+            logger.info("kvpolicy %s written to %s", what, printable_path(str(path)))
 
-    def write_status(self) -> None:
+    def write_status(self) -> tuple[tuple[str, Path], ...]:
         """Rewrite the plan file, the key contract and Dynamo's descriptor (where configured) for the
-        plan now run."""
+        plan now run; (what, path) of each written. One that cannot be written is one error line
+        (:func:`write_side_file`), and the rank serves on."""
         state = self._require_audit()
+        written: list[tuple[str, Path]] = []
         if self._keys_json is not None or self._dynamo_json is not None:
             if self._layout is None:
                 raise RuntimeError("a key contract needs the layout the plan was made from (RankPolicy.start)")
             contract = key_contract(state.plan, self._layout)
             if self._keys_json is not None:
-                write_text_atomically(self._keys_json, json.dumps(contract.model_dump(mode="json"), indent=2) + "\n")
-            if self._dynamo_json is not None:
-                self._write_dynamo_descriptor(self._dynamo_json, contract, self._layout)
+                text = json.dumps(contract.model_dump(mode="json"), indent=2) + "\n"
+                # Unset, kvpolicy_keys_json is beside the plan file (KVPolicySettings.keys_json_path).
+                if write_side_file(self._keys_json, text, what="key contract", setting="kvpolicy_keys_json"):
+                    written.append(("key contract", self._keys_json))
+            if self._dynamo_json is not None and self._write_dynamo_descriptor(self._dynamo_json, contract, self._layout):
+                written.append(("Dynamo router descriptor", self._dynamo_json))
         if self._plan_json is not None:
-            write_text_atomically(self._plan_json, json.dumps(status_document(state.plan, state), indent=2) + "\n")
+            text = json.dumps(status_document(state.plan, state), indent=2) + "\n"
+            if write_side_file(self._plan_json, text, what="plan", setting="kvpolicy_plan_json"):
+                written.insert(0, ("plan", self._plan_json))
+        return tuple(written)
 
-    def _write_dynamo_descriptor(self, path: Path, contract: KeyContract, layout: Layout) -> None:
-        """Dynamo's descriptor of ``contract`` to ``path``; where the plan has none (a group Dynamo has
-        no kind for, a limit passed), no file: one left from an earlier plan would send the router to
-        prefixes this plan does not write."""
+    def _write_dynamo_descriptor(self, path: Path, contract: KeyContract, layout: Layout) -> bool:
+        """Dynamo's descriptor of ``contract`` to ``path``; True when written. Where the plan has none
+        (a group Dynamo has no kind for, a limit passed), no file: one left from an earlier plan would
+        send the router to prefixes this plan does not write, so it is removed, and the warning says
+        so where it cannot be."""
         try:
             descriptor = dynamo_descriptor(contract, layout, self._dynamo_deployment)
         except RouterExportError as error:
@@ -290,13 +341,23 @@ class RankPolicy:
         else:
             reasons = check_dynamo_descriptor(descriptor).problems
             if not reasons:
-                write_text_atomically(path, json.dumps(descriptor.model_dump(mode="json"), indent=2) + "\n")
+                text = json.dumps(descriptor.model_dump(mode="json"), indent=2) + "\n"
+                if not write_side_file(path, text, what="Dynamo router descriptor", setting="kvpolicy_dynamo_json"):
+                    return False
                 refused = dynamo_refusals(contract, descriptor)
                 if refused:
                     logger.info("kvpolicy: Dynamo's router (PR #14965) does not accept this descriptor yet: %s", "; ".join(refused))
-                return
-        path.unlink(missing_ok=True)
-        logger.warning("kvpolicy: no Dynamo router descriptor for this plan (%s not written): %s", path, "; ".join(reasons))
+                return True
+        left = ""
+        try:
+            path.unlink(missing_ok=True)
+        except (OSError, ValueError) as error:
+            left = f"; the one left from before could not be removed ({_reason(error, path)})"
+        logger.warning(
+            "kvpolicy: no Dynamo router descriptor for this plan (%s not written%s): %s",
+            printable_path(str(path)), left, "; ".join(reasons),
+        )
+        return False
 
     # --- an audited step --------------------------------------------------------------------------
 

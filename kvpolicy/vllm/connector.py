@@ -60,10 +60,12 @@ class KVPolicyConfigError(ValueError):
         self.diagnostics = diagnostics
 
 
-def parse_settings(extra_config: Mapping[str, Any]) -> KVPolicySettings:
-    """The connector's settings in ``extra_config``; :class:`KVPolicyConfigError` with every problem."""
+def parse_settings(extra_config: Mapping[str, Any], *, check_side_files: bool = False) -> KVPolicySettings:
+    """The connector's settings in ``extra_config``; :class:`KVPolicyConfigError` with every problem.
+    With ``check_side_files`` (the first worker rank, the one that writes them) the side files' paths
+    are also judged against this host's files: a directory, a missing or unwritable parent."""
     try:
-        return KVPolicySettings.parse(extra_config)
+        return KVPolicySettings.parse(extra_config, check_side_files=check_side_files)
     except SettingsError as error:
         raise KVPolicyConfigError(str(error)) from None
 
@@ -96,7 +98,12 @@ class KVPolicyConnector(MooncakeStoreConnector, SupportsHMA):
         if vllm_config.kv_transfer_config is None:
             raise KVPolicyConfigError("KVPolicyConnector needs a kv_transfer_config")
         # Parsed once, here, in both roles: a bad setting stops start-up before any store connection.
-        self.settings: KVPolicySettings = parse_settings(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        # The first worker rank writes the side files (plan, keys, layout, discovery report, Dynamo
+        # descriptor): their paths are judged there, against its host's files, before anything is served.
+        writes_side_files = role == KVConnectorRole.WORKER and vllm_config.parallel_config.rank == 0
+        self.settings: KVPolicySettings = parse_settings(
+            vllm_config.kv_transfer_config.kv_connector_extra_config, check_side_files=writes_side_files
+        )
         self.policy: Policy = resolve_policy(self.settings)
         if role == KVConnectorRole.SCHEDULER:
             # The scheduler side needs no plan: lookups run on worker rank 0.

@@ -75,6 +75,24 @@ def test_validate_unreadable_path_is_a_located_error_not_a_traceback(capsys: pyt
     assert out.startswith("/nonexistent/policy.yaml:1:1: error: cannot read file")
 
 
+def test_validate_an_empty_path_says_the_path_is_empty(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "validate", "")
+    assert code == 1
+    assert out.splitlines()[0] == (
+        "<empty path>:1:1: error: the path is empty; give a policy, layout or discovery report file [KVP001]"
+    )
+
+
+def test_plan_with_an_unknown_layout_name_names_it_as_typed_and_suggests_the_shipped_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run(capsys, "plan", "--policy", "default", "--layout", "deepseek-v2", "--tp", "2")
+    assert code == 1
+    assert out.startswith(
+        "deepseek-v2:1:1: error: no layout file or shipped example layout named 'deepseek-v2'; did you mean 'deepseek-v3'?"
+    )
+
+
 def test_schema_check_passes_on_the_committed_schemas(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "schema", "--check")
     assert code == 0, out
@@ -303,20 +321,23 @@ def test_keys_of_a_broken_layout_is_a_located_error(capsys: pytest.CaptureFixtur
     assert code == 1 and out.startswith(f"{broken}:5:") and out.rstrip().endswith("]")
 
 
-def test_audit_quiets_vllm_only_while_it_runs_and_leaves_the_callers_environment_as_it_was(
+def test_audit_sends_vllms_log_to_its_log_file_only_while_it_runs_and_leaves_the_callers_environment_as_it_was(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """In-process callers (tests, tools) start vLLM processes afterwards: a leaked VLLM_LOGGING_LEVEL=ERROR
-    would silence them."""
+    """In-process callers (tests, tools) start vLLM processes afterwards: a leaked VLLM_LOGGING_STREAM or
+    VLLM_LOGGING_LEVEL would redirect or silence them."""
     from kvpolicy.app import cli
 
-    seen: list[str | None] = []
+    seen: list[tuple[str | None, str | None]] = []
     # The simulated ranks are not the subject here: only the environment around them.
-    monkeypatch.setattr(cli, "_run_audit", lambda args: seen.append(os.environ.get("VLLM_LOGGING_LEVEL")) or 0)
+    monkeypatch.setattr(cli, "_run_audit", lambda *args: seen.append(
+        (os.environ.get("VLLM_LOGGING_STREAM"), os.environ.get("VLLM_LOGGING_LEVEL"))) or 0)
     audit = ["audit", "--policy", "default", "--archetype", "mla", "--tp", "2"]
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    monkeypatch.delenv("VLLM_LOGGING_STREAM", raising=False)
     assert main(audit) == 0
-    assert "VLLM_LOGGING_LEVEL" not in os.environ
+    assert "VLLM_LOGGING_LEVEL" not in os.environ and "VLLM_LOGGING_STREAM" not in os.environ
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
     assert main(audit) == 0
-    assert (seen, os.environ["VLLM_LOGGING_LEVEL"]) == (["ERROR", "DEBUG"], "DEBUG")
+    assert seen == [("ext://sys.stderr", "INFO"), ("ext://sys.stderr", "DEBUG")]
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG" and "VLLM_LOGGING_STREAM" not in os.environ

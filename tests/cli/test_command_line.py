@@ -138,8 +138,8 @@ def test_validate_collects_every_select_and_ignore_given(tmp_path: Path, capsys:
         """))
     both = run(capsys, "validate", str(policy))[1]
     assert "KVP201" in both and "KVP202" in both
-    for ignored in (("--ignore", "KVP201", "--ignore", "KVP202"), ("--ignore", "KVP201", "KVP202"),
-                    ("--ignore", "KVP201,KVP202")):
+    # Comma-separated, not space-separated: a second word after --ignore is the next file to validate.
+    for ignored in (("--ignore", "KVP201", "--ignore", "KVP202"), ("--ignore", "KVP201,KVP202")):
         code, out, _ = run(capsys, "validate", str(policy), *ignored)
         assert code == 0 and "KVP20" not in out, ignored
 
@@ -292,7 +292,7 @@ def test_the_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[st
     assert set(commands()) <= listed
 
 
-def test_plan_notes_the_rules_that_decide_no_layer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_lists_the_rules_that_decide_no_layer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     policy = tmp_path / "misspelled.yaml"
     policy.write_text(textwrap.dedent("""\
         version: 1
@@ -307,11 +307,33 @@ def test_plan_notes_the_rules_that_decide_no_layer(tmp_path: Path, capsys: pytes
             reason: the rest
             replication: sharded
         """))
-    code, _, err = run(capsys, "plan", "--policy", str(policy), "--layout", "deepseek-v3", "--tp", "2", "4")
+    code, out, _ = run(capsys, "plan", "--policy", str(policy), "--layout", "deepseek-v3", "--tp", "2", "4")
     assert code == 0
-    notes = [line for line in err.splitlines() if line.startswith("note:")]
-    assert len(notes) == 1, err  # the same rules at both sizes: one note
-    assert "latent" in notes[0] and "everything-else" not in notes[0]
+    assert [line for line in out.splitlines() if "deciding no layer" in line] == ["rules deciding no layer: latent"] * 2
+
+
+def test_plan_warns_of_a_class_neither_vllm_nor_the_layout_declares_with_the_layouts_nearest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = tmp_path / "misspelled.yaml"
+    policy.write_text(textwrap.dedent("""\
+        version: 1
+        kind: ReplicationPolicy
+        name: misspelled
+        rules:
+          - name: conv
+            reason: a plugin's state, misspelled
+            match: {spec: [ConvStateSpc]}
+            replication: sharded
+        """))
+    layout = tmp_path / "plugin-layout.yaml"
+    text = (REPO / "examples" / "layouts" / "deepseek-v3.yaml").read_text()
+    assert "type: MLAAttentionSpec" in text
+    layout.write_text(text.replace("type: MLAAttentionSpec", "type: ConvStateSpec", 1))
+    code, _, err = run(capsys, "plan", "--policy", str(policy), "--layout", str(layout), "--tp", "2")
+    assert code == 0
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "'ConvStateSpc'" in warnings[0] and "did you mean 'ConvStateSpec'" in warnings[0]
 
 
 def test_vllm_config_shows_the_policys_warnings_instead_of_calling_it_simply_valid(
@@ -354,3 +376,64 @@ def test_bootstrap_finds_a_library_in_a_cache_listing_longer_than_a_pipe(tmp_pat
                              capture_output=True, text=True, timeout=60,
                              env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"})
     assert missing.stdout.strip() == ""
+
+
+def test_library_log_lines_go_to_the_log_file_and_the_commands_own_words_to_the_terminal(tmp_path: Path) -> None:
+    """What vLLM, torch and Mooncake write inside :func:`libraries_logging_to` (file descriptor 2,
+    ``sys.stderr``, the ``vllm`` logger configured there) stays out of the command's output."""
+    log = tmp_path / "libraries.log"
+    script = textwrap.dedent(f"""\
+        import logging, os, sys
+        from kvpolicy.app.quiet import libraries_logging_to
+        with libraries_logging_to({str(log)!r}) as terminal:
+            os.write(2, b"native glog line\\n")
+            print("torch import warning", file=sys.stderr)
+            handler = logging.StreamHandler(sys.stderr)  # as vLLM's ext://sys.stderr stream is made
+            logging.getLogger("vllm-like").addHandler(handler)
+            logging.getLogger("vllm-like").error("vllm log line")
+            print("result line")
+            terminal.write("the command's own note\\n")
+        print("after", file=sys.stderr)
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "result line\n"
+    assert done.stderr.splitlines() == [
+        "the command's own note", f"(the log lines of vLLM, torch and Mooncake: {log})", "after"]
+    assert log.read_text().splitlines() == ["native glog line", "torch import warning", "vllm log line"]
+
+
+def test_a_flag_of_several_values_takes_a_bounded_number(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpolicy.app.args import MAX_VALUES
+
+    sizes = [str(size) for size in range(1, MAX_VALUES + 2)]
+    err = usage_error(capsys, "plan", "--policy", "default", "--layout", LAYOUT, "--tp", *sizes)
+    assert f"--tp takes at most {MAX_VALUES} values, got {MAX_VALUES + 1}" in err
+
+
+def test_validate_suggests_a_class_a_layout_beside_the_policy_declares(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "plugin.yaml"
+    policy.write_text(textwrap.dedent("""\
+        version: 1
+        kind: ReplicationPolicy
+        name: plugin
+        rules:
+          - name: conv
+            reason: a plugin's state, misspelled
+            match: {spec: [ConvStateSpc]}
+            replication: sharded
+          - name: conv-right
+            reason: a plugin's state
+            match: {spec: [ConvStateSpec]}
+            replication: sharded
+        """))
+    layout = tmp_path / "plugin-layout.yaml"
+    layout.write_text((REPO / "examples" / "layouts" / "deepseek-v3.yaml").read_text().replace(
+        "type: MLAAttentionSpec", "type: ConvStateSpec", 1))
+    alone = run(capsys, "validate", str(policy))[1]
+    assert alone.count("[KVP201]") == 2  # on its own, neither class is known
+    _, out, _ = run(capsys, "validate", str(policy), str(layout))
+    warnings = [line for line in out.splitlines() if "[KVP201]" in line]
+    assert len(warnings) == 1, out  # the declared class is known; the misspelling is named with it
+    assert f"'ConvStateSpc' is not a spec class of vLLM 0.32; did you mean 'ConvStateSpec' (declared by {layout})?" in warnings[0]

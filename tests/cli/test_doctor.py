@@ -9,10 +9,12 @@ to the checks as values or as a stand-in ``vllm`` package, each said so where it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from conftest import require, unavailable
 
 from kvpolicy.app.cli import main
 from kvpolicy.app.doctor import (
+    MAX_MOONCAKE_CONFIG_BYTES,
     MOONCAKE_BUILDS,
     SYSTEM_LIBRARIES,
     CheckResult,
@@ -345,11 +348,89 @@ def test_a_config_path_that_does_not_exist_fails_located(tmp_path: Path) -> None
     assert result.message == f"{path}:1:1: error: cannot read MOONCAKE_CONFIG_PATH: No such file or directory"
 
 
-def test_a_config_path_that_cannot_be_read_fails(tmp_path: Path) -> None:
+def test_a_config_path_naming_a_directory_fails_saying_so(tmp_path: Path) -> None:
     """A directory: unreadable as a file even for root (which chmod 000 would not stop)."""
     result, _ = check_mooncake_config({"MOONCAKE_CONFIG_PATH": str(tmp_path)}, use_vllm=False)
     assert result.status == "fail"
-    assert result.message == f"{tmp_path}:1:1: error: cannot read MOONCAKE_CONFIG_PATH: Is a directory"
+    assert result.message == f"{tmp_path}:1:1: error: cannot read MOONCAKE_CONFIG_PATH: it is a directory, not a regular file"
+
+
+@contextlib.contextmanager
+def within(seconds: int) -> Iterator[None]:
+    """Fail instead of hanging (a FIFO opened for reading blocks until a writer comes)."""
+
+    def expire(*_: object) -> None:
+        raise TimeoutError(f"no answer within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_fifo_as_the_config_fails_at_once_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    fifo = tmp_path / "mooncake.json"
+    os.mkfifo(fifo)
+    with within(5):
+        result, master = check_mooncake_config({"MOONCAKE_CONFIG_PATH": str(fifo)}, use_vllm=False)
+    assert (result.status, master) == ("fail", None)
+    assert result.message == f"{fifo}:1:1: error: cannot read MOONCAKE_CONFIG_PATH: it is a FIFO, not a regular file"
+    assert result.fix == "point MOONCAKE_CONFIG_PATH at a regular JSON file"
+
+
+def test_a_character_device_as_the_config_is_refused_without_being_read() -> None:
+    """``/dev/zero`` never ends: read whole, it would take all the memory there is."""
+    with within(5):
+        result, master = check_mooncake_config({"MOONCAKE_CONFIG_PATH": "/dev/zero"}, use_vllm=False)
+    assert (result.status, master) == ("fail", None)
+    assert result.message == "/dev/zero:1:1: error: cannot read MOONCAKE_CONFIG_PATH: it is a character device, not a regular file"
+
+
+def test_a_config_larger_than_the_bound_is_refused_naming_the_bound(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    config = json.dumps({"master_server_address": "127.0.0.1:50051", "protocol": "tcp"})
+    path.write_text(config + " " * (MAX_MOONCAKE_CONFIG_BYTES + 1 - len(config)))  # valid JSON, one byte too many
+    result, master = check_mooncake_config({"MOONCAKE_CONFIG_PATH": str(path)}, use_vllm=False)
+    assert (result.status, master) == ("fail", None)
+    assert result.message == (
+        f"{path}:1:1: error: cannot read MOONCAKE_CONFIG_PATH: it is larger than 1048576 bytes (1 MiB); "
+        "a Mooncake config is a few hundred bytes"
+    )
+
+
+def test_a_config_of_exactly_the_bound_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    config = json.dumps({"master_server_address": "127.0.0.1:50051", "protocol": "tcp"})
+    path.write_text(config + " " * (MAX_MOONCAKE_CONFIG_BYTES - len(config)))
+    result, master = check_mooncake_config({"MOONCAKE_CONFIG_PATH": str(path)}, use_vllm=False)
+    assert (result.status, master) == ("ok", MasterAddress("127.0.0.1", 50051))
+
+
+def test_a_config_that_is_not_utf8_fails_saying_so(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_bytes(b'{"master_server_address": "\xff"}')
+    result, _ = check_mooncake_config({"MOONCAKE_CONFIG_PATH": str(path)}, use_vllm=False)
+    assert result.status == "fail"
+    assert result.message.startswith(f"{path}:1:1: error: cannot read MOONCAKE_CONFIG_PATH: not UTF-8 text")
+
+
+def test_a_config_nested_too_deeply_fails_as_invalid_json_not_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text("[" * 100_000)
+    result, master = check_mooncake_config({"MOONCAKE_CONFIG_PATH": str(path)}, use_vllm=False)
+    assert (result.status, master) == ("fail", None)
+    assert result.message == f"{path}:1:1: error: invalid JSON: nested too deeply to read; a Mooncake config is one flat object"
+
+
+def test_a_long_master_address_is_quoted_cut_to_one_short_line(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"master_server_address": "x" * 500_000}))
+    result, _ = check_mooncake_config({"MOONCAKE_CONFIG_PATH": str(path)}, use_vllm=False)
+    assert result.status == "fail" and len(result.message) < 400
+    assert result.message.endswith("... (499802 more characters)")
 
 
 def test_a_bad_json_config_fails_at_its_line_and_column_and_doctor_exits_1(
@@ -487,6 +568,18 @@ def test_an_invalid_policy_fails_with_the_validators_diagnostics(tmp_path: Path)
     assert result.status == "fail"
     assert result.details == tuple(str(problem) for problem in problems if problem.severity == "error")
     assert result.details and all(detail.startswith(f"{path}:") for detail in result.details)
+
+
+def test_a_valid_policy_with_warnings_shows_them_instead_of_calling_it_simply_valid(tmp_path: Path) -> None:
+    path = tmp_path / "plugin.yaml"
+    path.write_text("version: 1\nkind: ReplicationPolicy\nname: plugin\nrules:\n  - name: r\n    reason: a plugin's state\n"
+                    "    match: {spec: [ConvStateSpc]}\n    replication: sharded\n")
+    result = check_policy(str(path))
+    _, problems = check_file(path)
+    warnings = tuple(str(problem) for problem in problems if problem.severity == "warning")
+    assert result.status == "ok" and len(warnings) == 1
+    assert "valid, with 1 warning (below)" in result.message
+    assert result.details == warnings
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "61", "soon"])

@@ -258,6 +258,28 @@ def test_the_connector_stops_on_an_unknown_kvpolicy_key_with_a_suggestion(role: 
         KVPolicyConnector(config, role, EMPTY_KV_CACHE_CONFIG)
 
 
+def test_the_first_worker_rank_stops_on_a_side_file_in_a_missing_directory_naming_the_key(tmp_path: Path) -> None:
+    config = vllm_config("default")
+    assert config.kv_transfer_config is not None
+    config.kv_transfer_config.kv_connector_extra_config["kvpolicy_discover"] = str(tmp_path / "absent" / "report.yaml")
+    assert config.parallel_config.rank == 0
+    with pytest.raises(KVPolicyConfigError, match=r"^kv_connector_extra_config.kvpolicy_discover: error: "):
+        KVPolicyConnector(config, KVConnectorRole.WORKER, EMPTY_KV_CACHE_CONFIG)
+
+
+@pytest.mark.parametrize("role", list(KVConnectorRole), ids=lambda role: role.name.lower())
+def test_only_the_rank_writing_side_files_judges_them_against_its_host(role: KVConnectorRole, tmp_path: Path) -> None:
+    """Other ranks (and the scheduler) may run on hosts without rank 0's directories: a path there
+    is not theirs to refuse. Nothing else is configured: reaching the store would fail differently."""
+    config = vllm_config("defualt")  # stops right after the settings, on the policy, if they pass
+    assert config.kv_transfer_config is not None
+    config.kv_transfer_config.kv_connector_extra_config["kvpolicy_discover"] = str(tmp_path / "absent" / "report.yaml")
+    if role == KVConnectorRole.WORKER:
+        config.parallel_config.rank = 1
+    with pytest.raises(KVPolicyConfigError, match="did you mean 'default'"):
+        KVPolicyConnector(config, role, EMPTY_KV_CACHE_CONFIG)
+
+
 def test_the_connector_reports_every_bad_setting_at_once() -> None:
     config = vllm_config("default")
     assert config.kv_transfer_config is not None

@@ -4,6 +4,7 @@ same layout and planned the same; the store worker writes it for ``kvpolicy_layo
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -293,6 +294,18 @@ def test_worker_without_the_key_writes_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_worker_names_the_key_when_the_layout_path_cannot_be_written(tmp_path: Path) -> None:
-    with pytest.raises(OSError, match=LAYOUT_OUT_KEY):
-        planned_worker("dense-gqa", layout_out=tmp_path / "missing-directory" / "captured.yaml")
+def test_a_layout_path_that_cannot_be_written_is_one_line_naming_the_key_and_the_worker_plans_on(tmp_path: Path) -> None:
+    path = tmp_path / "missing-directory" / "captured.yaml"
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm.kvpolicy.runtime")  # under vLLM's logger, which does not propagate to pytest's
+    logger.addHandler(handler)
+    try:
+        worker = planned_worker("dense-gqa", layout_out=path)
+    finally:
+        logger.removeHandler(handler)
+    assert worker.plan is not None
+    assert messages == [
+        f"kvpolicy: cannot write the layout to {path} ({LAYOUT_OUT_KEY}): No such file or directory; serving on without it"
+    ]

@@ -11,7 +11,17 @@ import textwrap
 import pytest
 
 from kvpolicy.diagnostics import Diagnostic, DocumentError
-from kvpolicy.loader import check_file, check_text, load_policy, policies_dir
+from kvpolicy.loader import (
+    check_file,
+    check_text,
+    layouts_dir,
+    load_layout,
+    load_policy,
+    policies_dir,
+    read_text,
+    shipped_layout_names,
+    shipped_policy_names,
+)
 from kvpolicy.models import Layout, Policy
 
 PATH = "policy.yaml"
@@ -691,6 +701,81 @@ def test_load_policy_refuses_a_layout(tmp_path):
 def test_unknown_shipped_policy_name_suggests_a_close_one():
     with pytest.raises(DocumentError, match="did you mean 'vllm-compat'"):
         load_policy("vllm-compt")
+
+
+# --- an empty path and an unknown name ------------------------------------------------------------
+
+
+def only_diagnostic(raised: pytest.ExceptionInfo[DocumentError]) -> str:
+    (diagnostic,) = raised.value.diagnostics
+    return str(diagnostic)
+
+
+def test_an_empty_path_is_refused_as_empty_not_as_a_missing_file():
+    document, problems = check_file("")
+    assert document is None
+    assert [str(problem) for problem in problems] == [
+        "<empty path>:1:1: error: the path is empty; give a policy, layout or discovery report file [KVP001]"
+    ]
+
+
+def test_reading_an_empty_path_raises_the_same_refusal():
+    with pytest.raises(DocumentError) as raised:
+        read_text("")
+    assert only_diagnostic(raised) == (
+        "<empty path>:1:1: error: the path is empty; give a policy, layout or discovery report file [KVP001]"
+    )
+
+
+def test_an_empty_policy_name_is_refused_as_empty_naming_the_shipped_policies():
+    with pytest.raises(DocumentError) as raised:
+        load_policy("")
+    assert only_diagnostic(raised) == (
+        "<empty path>:1:1: error: the path is empty; give a shipped policy name "
+        f"({', '.join(shipped_policy_names())}) or a policy file [KVP001]"
+    )
+
+
+def test_an_empty_layout_name_is_refused_as_empty_naming_the_shipped_layouts():
+    with pytest.raises(DocumentError) as raised:
+        load_layout("")
+    assert only_diagnostic(raised) == (
+        "<empty path>:1:1: error: the path is empty; give a shipped example layout name "
+        f"({', '.join(shipped_layout_names())}) or a layout file [KVP001]"
+    )
+
+
+def test_an_unknown_layout_name_names_what_was_typed_and_the_nearest_shipped_layout():
+    with pytest.raises(DocumentError) as raised:
+        load_layout("llama-3.1-7b")
+    assert only_diagnostic(raised) == (
+        "llama-3.1-7b:1:1: error: no layout file or shipped example layout named 'llama-3.1-7b'; "
+        f"did you mean 'llama-3.1-70b'? (shipped: {', '.join(shipped_layout_names())}) [KVP001]"
+    )
+
+
+def test_an_unknown_layout_name_like_no_shipped_one_lists_them_all():
+    with pytest.raises(DocumentError) as raised:
+        load_layout("nosuch")
+    assert only_diagnostic(raised) == (
+        "nosuch:1:1: error: no layout file or shipped example layout named 'nosuch' "
+        f"(shipped: {', '.join(shipped_layout_names())}) [KVP001]"
+    )
+    assert str(layouts_dir()) not in only_diagnostic(raised)
+
+
+def test_an_unknown_layout_name_holding_control_characters_is_shown_escaped_on_one_line():
+    with pytest.raises(DocumentError) as raised:
+        load_layout("a\nb\x00")
+    line = only_diagnostic(raised)
+    assert line.startswith("a\\nb\\x00:1:1: error: no layout file or shipped example layout named 'a b\\x00'")
+    assert "\n" not in line
+
+
+def test_every_shipped_layout_loads_by_its_name():
+    names = shipped_layout_names()
+    assert len(names) >= 6
+    assert all(isinstance(load_layout(name), Layout) for name in names)
 
 
 def test_layout_errors_are_located_too():

@@ -4,6 +4,7 @@ and the one builder of ``--kv-transfer-config``. Pure: no vLLM, torch or Mooncak
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ from kvpolicy.loader import schemas_dir
 from kvpolicy.settings import (
     DEFAULT_PIECE_MIB,
     DEFAULT_READ_FAILURE_TTL_S,
+    EXTRA_CONFIG,
+    SIDE_FILES,
     KVPolicySettings,
     PolicySelection,
     SettingsError,
@@ -117,6 +120,115 @@ def test_an_unknown_exchange_is_refused_with_the_allowed_ones() -> None:
 
 def test_a_path_that_is_not_a_string_is_refused() -> None:
     assert problems({"kvpolicy_plan_json": 7}) == ("kv_connector_extra_config.kvpolicy_plan_json: error: must be a file path, got 7",)
+
+
+# --- side-file paths: by their text always, against this host's files for the writer ------------
+
+
+@pytest.mark.parametrize("key", SIDE_FILES)
+def test_a_side_file_path_holding_a_nul_is_refused_at_its_key(key: str) -> None:
+    assert problems({key: "run/plan\0.json"}) == (
+        f"{EXTRA_CONFIG}.{key}: error: the path contains a NUL character (run/plan\\x00.json); give a file path without one",
+    )
+
+
+@pytest.mark.parametrize("path", ["run/", ".", "..", "run/.."])
+def test_a_side_file_path_spelled_as_a_directory_is_refused(path: str) -> None:
+    assert problems({"kvpolicy_discover": path}) == (
+        f"{EXTRA_CONFIG}.kvpolicy_discover: error: names a directory ({path}); give the path of a file in it",
+    )
+
+
+def test_two_side_files_on_one_path_are_refused_at_the_later_key() -> None:
+    assert problems({"kvpolicy_plan_json": "run/status.json", "kvpolicy_dynamo_json": "run/./status.json"}) == (
+        f"{EXTRA_CONFIG}.kvpolicy_dynamo_json: error: it would be written to run/status.json, the file of "
+        "kvpolicy_plan_json; give each side file its own path",
+    )
+
+
+def test_a_key_contract_beside_the_plan_on_another_side_file_is_refused_at_the_plan_key() -> None:
+    assert problems({"kvpolicy_plan_json": "run/plan.json", "kvpolicy_layout_out": "run/plan.keys.json"}) == (
+        f"{EXTRA_CONFIG}.kvpolicy_plan_json: error: its key contract would be written to run/plan.keys.json, the file "
+        "of kvpolicy_layout_out; give each side file its own path",
+    )
+
+
+def test_side_files_are_judged_against_this_host_only_when_asked() -> None:
+    """A configuration built here for another host, or read by a rank that writes no side file."""
+    assert KVPolicySettings.parse({"kvpolicy_plan_json": "/nonexistent/run/plan.json"}).kvpolicy_plan_json == Path(
+        "/nonexistent/run/plan.json"
+    )
+
+
+def writer_problems(extra_config: dict[str, object]) -> tuple[str, ...]:
+    with pytest.raises(SettingsError) as raised:
+        KVPolicySettings.parse(extra_config, check_side_files=True)
+    return raised.value.problems
+
+
+@pytest.mark.parametrize("key", SIDE_FILES)
+def test_a_side_file_naming_an_existing_directory_is_refused_on_the_writer(key: str, tmp_path: Path) -> None:
+    assert writer_problems({key: str(tmp_path)}) == (
+        f"{EXTRA_CONFIG}.{key}: error: names a directory ({tmp_path}); give the path of a file in it",
+    )
+
+
+@pytest.mark.parametrize("key", SIDE_FILES)
+def test_a_side_file_in_a_missing_directory_is_refused_on_the_writer(key: str, tmp_path: Path) -> None:
+    assert writer_problems({key: str(tmp_path / "missing" / "side.json")}) == (
+        f"{EXTRA_CONFIG}.{key}: error: the directory {tmp_path / 'missing'} does not exist; "
+        "create it, or give a path in an existing directory",
+    )
+
+
+def test_a_side_file_whose_directory_is_a_file_is_refused_on_the_writer(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    assert writer_problems({"kvpolicy_layout_out": str(tmp_path / "file" / "layout.yaml")}) == (
+        f"{EXTRA_CONFIG}.kvpolicy_layout_out: error: {tmp_path / 'file'} is not a directory; give a path in a directory",
+    )
+
+
+def test_a_side_file_below_a_file_is_refused_on_the_writer(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    assert writer_problems({"kvpolicy_layout_out": str(tmp_path / "file" / "run" / "layout.yaml")}) == (
+        f"{EXTRA_CONFIG}.kvpolicy_layout_out: error: the directory {tmp_path / 'file' / 'run'} cannot exist: "
+        "a folder on its path is a file; give a path in a directory",
+    )
+
+
+def test_a_side_file_naming_a_device_is_refused_on_the_writer() -> None:
+    """Replacing ``/dev/null`` with a regular file (as root) would break every program that writes to it."""
+    assert writer_problems({"kvpolicy_discover": "/dev/null"}) == (
+        f"{EXTRA_CONFIG}.kvpolicy_discover: error: names a character device (/dev/null), which writing the side "
+        "file would replace; give the path of a regular file",
+    )
+
+
+def test_a_side_file_in_a_directory_this_user_cannot_write_is_refused_on_the_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The tests may run as root, whom a chmod does not stop: the OS's answer is given instead.
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == tmp_path else access(path, mode))
+    assert writer_problems({"kvpolicy_dynamo_json": str(tmp_path / "dynamo.json")}) == (
+        f"{EXTRA_CONFIG}.kvpolicy_dynamo_json: error: the directory {tmp_path} is not writable by this user "
+        f"(uid {os.geteuid()}); make it writable, or give another",
+    )
+
+
+def test_a_key_contract_beside_the_plan_on_a_directory_is_refused_at_the_plan_key(tmp_path: Path) -> None:
+    (tmp_path / "plan.keys.json").mkdir()
+    assert writer_problems({"kvpolicy_plan_json": str(tmp_path / "plan.json")}) == (
+        f"{EXTRA_CONFIG}.kvpolicy_plan_json: error: the key contract is written beside it, to "
+        f"{tmp_path / 'plan.keys.json'}, which is a directory; set kvpolicy_keys_json to another path",
+    )
+
+
+def test_side_files_this_user_can_write_pass_on_the_writer(tmp_path: Path) -> None:
+    (tmp_path / "plan.json").write_text("{}")  # an earlier run's file is replaced
+    extra = {key: str(tmp_path / f"{key}.out") for key in SIDE_FILES} | {"kvpolicy_plan_json": str(tmp_path / "plan.json")}
+    settings = KVPolicySettings.parse(extra, check_side_files=True)
+    assert settings.kvpolicy_discover == tmp_path / "kvpolicy_discover.out"
 
 
 def test_a_misspelled_key_is_refused_with_the_key_it_resembles() -> None:

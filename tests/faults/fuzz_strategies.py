@@ -909,6 +909,55 @@ def plan_argvs(draw: Any) -> list[str]:
     return argv
 
 
+@st.composite
+def command_line_edges(draw: Any) -> list[str]:
+    """Command lines at the parser's edges, for every command that runs without a Mooncake master or
+    vLLM: flags repeated, sizes space-separated, unknown and misspelled flags with and without values,
+    bad archetypes and missing layouts for the commands that would start simulated ranks, and REPORT
+    files that are not reports."""
+    sizes = st.lists(FLAG_VALUES, min_size=1, max_size=4)
+    command = draw(st.sampled_from(["plan", "explain", "keys", "diff", "audit", "discover", "vllm-config", "validate", "rule"]))
+    argv: list[str] = [command]
+    if command in ("plan", "explain", "keys"):
+        argv += ["--policy", draw(st.sampled_from(["default", "no-dedup", "nosuch"])),
+                 "--layout", draw(st.sampled_from(["deepseek-v3", "kimi-linear-48b-a3b", "nosuch"]))]
+    elif command == "diff":
+        argv += ["default", draw(st.sampled_from(["vllm-compat", "nosuch"])), "--layout", "deepseek-v3"]
+    elif command == "audit":  # never a runnable pair: it would start a master
+        argv += ["--policy", "default", *draw(st.sampled_from([["--archetype", "kimi-linaer"], ["--archetype", ""],
+                                                                ["--layout", "no-such.yaml"], ["--layout", ""]]))]
+    elif command == "discover":
+        argv += draw(st.sampled_from([["--archetype", "mla2"], ["--layout", "no-such.yaml"], ["--check", "default"],
+                                      ["--propose"], ["--check", "nosuch"]]))
+        argv += draw(st.lists(st.sampled_from(["", "/dev/null", "no-such-report.yaml", "policies/default.yaml"]), max_size=2))
+    elif command == "vllm-config":
+        argv += ["--policy", draw(st.sampled_from(["default", "nosuch", ""]))]
+    elif command == "validate":
+        argv += [draw(st.sampled_from(["policies/default.yaml", "", "/dev/null"]))]
+    else:
+        argv += [draw(st.sampled_from(["KVP201", "kvp2", "", "unreachable-rule"]))]
+    for _ in range(draw(st.integers(0, 3))):
+        flag = draw(st.sampled_from(["--tp", "--tp", "--pp", "--format", "--tp-size", "--tokens", "--steps", "--ignore",
+                                     "--layout", "--prompt_tokens", "--store-tp", "--name", "--", "-x", "--tp=2"]))
+        argv.append(flag)
+        if flag in ("--tp", "--tp-size"):
+            argv += draw(sizes)
+        elif not flag.startswith("--tp=") and draw(st.booleans()):
+            argv.append(draw(st.sampled_from(["2", "json", "KVP201", "x", "", "-1"])))
+    return argv
+
+
+def several_sizes_contract(sizes: list[int]) -> None:
+    """``--tp A B`` and ``--tp A --tp B`` plan the same sizes, in the same order, for every command that
+    takes several."""
+    spaced = ["--tp", *map(str, sizes)]
+    repeated = [part for size in sizes for part in ("--tp", str(size))]
+    for command in (["plan", "--policy", "default", "--layout", "deepseek-v3", "--format", "json"],
+                    ["keys", "--policy", "default", "--layout", "deepseek-v3", "--format", "json"],
+                    ["diff", "default", "no-dedup", "--layout", "deepseek-v3", "--format", "json"]):
+        assert cli_contract([*command, *spaced]) == cli_contract([*command, *repeated]), (command, sizes)
+
+
 def cli_contract(argv: list[str]) -> str:
     """Any command line: exit 0, 1 or 2, never a traceback, output bounded, errors on one line each, all of it
     printable on a strict UTF-8 stream; returns what it printed on standard output."""

@@ -154,6 +154,16 @@ def test_any_plan_explain_or_diff_command_line_exits_0_1_or_2_without_a_tracebac
     fs.cli_contract(argv)
 
 
+@given(fs.command_line_edges())
+def test_repeated_unknown_and_misspelled_flags_of_every_command_exit_0_1_or_2_without_a_traceback(argv: list[str]) -> None:
+    fs.cli_contract(argv)
+
+
+@given(st.lists(st.integers(1, 16), min_size=1, max_size=4))
+def test_sizes_repeated_or_space_separated_plan_alike_in_every_command_taking_several(sizes: list[int]) -> None:
+    fs.several_sizes_contract(sizes)
+
+
 # --- the expression evaluator --------------------------------------------------------------------
 
 ESCAPES = [

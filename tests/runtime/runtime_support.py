@@ -3,8 +3,10 @@ clock, and a small hybrid model's plans (an MLA group replicated at TP 4, a Mamb
 
 from __future__ import annotations
 
+import logging
 import textwrap
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +113,27 @@ def planner(policy: Policy, layout: Layout, tp_size: int = TP) -> tuple[Plan, Ca
         return make_plan(policy, layout, Topology(tp_size=tp_size), demoted=demoted)
 
     return replan(frozenset()), replan
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextmanager
+def logged(name: str = "vllm.kvpolicy.runtime") -> Iterator[list[logging.LogRecord]]:
+    """The run-time's log records while the block runs, every level: caught on its own logger, which
+    sits under vLLM's (whose handler may not propagate to pytest's)."""
+    handler, logger = _Records(), logging.getLogger(name)
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield handler.records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)

@@ -5,9 +5,12 @@ plan it runs beside the key contract, rewrites it when the audit changes the pla
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from runtime_support import TP, ListGather, MemoryStore, audited_policy, hybrid_layout, planner
+from runtime_support import TP, ListGather, MemoryStore, audited_policy, hybrid_layout, logged, planner
 
 from kvpolicy.audit import Digest
 from kvpolicy.contract import key_contract
@@ -96,3 +99,54 @@ def test_another_rank_writes_no_descriptor(tmp_path: Path) -> None:
     started(gqa_layout(tmp_path), dynamo_json=path, gather=ListGather(rank=1),
             place=RankPlace(tp_rank=1, is_first_rank=False)).report_plan()
     assert not path.exists()
+
+
+# --- a descriptor path that cannot be written or cleared: one line, and the rank serves on ----------
+
+
+@contextmanager
+def warnings_logged() -> Iterator[list[str]]:
+    """The run-time policy's warnings and errors while the block runs, none with a traceback."""
+    messages: list[str] = []
+    with logged() as records:
+        yield messages
+    assert not any(record.exc_info for record in records)
+    messages.extend(record.getMessage() for record in records if record.levelno >= logging.WARNING)
+
+
+def test_a_descriptor_whose_directory_was_removed_is_one_error_line(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    runtime = started(gqa_layout(tmp_path), dynamo_json=run / "dynamo.json")
+    run.rmdir()
+    with warnings_logged() as messages:
+        runtime.report_plan()
+    assert messages == [
+        f"kvpolicy: cannot write the Dynamo router descriptor to {run / 'dynamo.json'} (kvpolicy_dynamo_json): "
+        "No such file or directory; serving on without it"
+    ]
+
+
+def test_an_old_descriptor_that_cannot_be_removed_is_said_in_the_one_warning(tmp_path: Path) -> None:
+    path = tmp_path / "dynamo.json"
+    path.mkdir()  # what stands there is no file to remove
+    with warnings_logged() as messages:
+        started(hybrid_layout(tmp_path), dynamo_json=path).report_plan()  # an MLA group: no descriptor
+    (message,) = messages
+    assert message.startswith(
+        f"kvpolicy: no Dynamo router descriptor for this plan ({path} not written; the one left from before could not "
+        "be removed (Is a directory)): "
+    )
+    assert path.is_dir()
+
+
+def test_a_descriptor_path_holding_a_nul_is_one_line_whether_written_or_removed(tmp_path: Path) -> None:
+    path = tmp_path / "dynamo\0.json"
+    with warnings_logged() as messages:
+        started(gqa_layout(tmp_path), dynamo_json=path).report_plan()
+        started(hybrid_layout(tmp_path), dynamo_json=path).report_plan()
+    assert [message.split(": ")[:2] for message in messages] == [
+        ["kvpolicy", f"cannot write the Dynamo router descriptor to {tmp_path}/dynamo\\x00.json (kvpolicy_dynamo_json)"],
+        ["kvpolicy", f"no Dynamo router descriptor for this plan ({tmp_path}/dynamo\\x00.json not written; the one left "
+                     "from before could not be removed (the path contains a NUL character))"],
+    ]

@@ -5,10 +5,14 @@ gate, read failures on a hand clock, the tally and the status documents."""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import shutil
+import stat
 from pathlib import Path
 
 import pytest
-from runtime_support import TP, HandClock, ListGather, MemoryStore, audited_policy, hybrid_layout, planner
+from runtime_support import TP, HandClock, ListGather, MemoryStore, audited_policy, hybrid_layout, logged, planner
 
 from kvpolicy.audit import AuditStatus, Digest, ReplicationAuditError, agreement_key, demotion_key
 from kvpolicy.models import AuditMode, Policy
@@ -315,9 +319,101 @@ def test_a_captured_layout_reads_back_as_the_layout(layout, tmp_path: Path) -> N
     assert load_layout(path) == layout
 
 
-def test_a_layout_that_cannot_be_written_names_the_key(layout, tmp_path: Path) -> None:
+def test_a_layout_that_cannot_be_written_is_one_error_line_naming_the_key(layout, tmp_path: Path) -> None:
     from kvpolicy.models import Topology
     from kvpolicy.runtime.policy import capture_layout
 
-    with pytest.raises(OSError, match=r"\(kvpolicy_layout_out\)"):
-        capture_layout(tmp_path / "missing" / "captured.yaml", layout, Topology(tp_size=TP))
+    path = tmp_path / "missing" / "captured.yaml"
+    with logged() as records:
+        assert capture_layout(path, layout, Topology(tp_size=TP)) is False
+    assert lines(records) == [
+        ("ERROR", f"kvpolicy: cannot write the layout to {path} (kvpolicy_layout_out): No such file or directory; "
+                  "serving on without it")
+    ]
+
+
+# --- status documents that cannot be written: one line each, and the rank serves on -----------------
+
+
+def lines(records: list[logging.LogRecord], level: int = logging.WARNING) -> list[tuple[str, str]]:
+    """(level, message) of the records at ``level`` or above; none carries a traceback."""
+    assert not any(record.exc_info for record in records)
+    return [(record.levelname, record.getMessage()) for record in records if record.levelno >= level]
+
+
+def test_a_plan_file_whose_directory_was_removed_is_one_error_line_and_the_rank_serves_on(layout, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    runtime = started(layout, plan_json=run / "plan.json")
+    run.rmdir()  # removed between the settings' check and the write
+    with logged() as records:
+        runtime.report_plan()
+    assert lines(records) == [
+        ("ERROR", f"kvpolicy: cannot write the plan to {run / 'plan.json'} (kvpolicy_plan_json): No such file or directory; "
+                  "serving on without it")
+    ]
+    assert runtime.tally.drain()["plan"]  # the start-up report went on past the file
+    assert runtime.conclude_step(reports_of(SAME, SAME, SAME, SAME), no_samples).agreed == (0,)
+
+
+def test_a_directory_standing_at_the_plan_path_is_left_as_it_is_and_logged(layout, tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    path.mkdir()
+    with logged() as records:
+        started(layout, plan_json=path).report_plan()
+    assert path.is_dir()
+    assert lines(records) == [
+        ("ERROR", f"kvpolicy: cannot write the plan to {path} (kvpolicy_plan_json): it is a directory, not a regular "
+                  "file; it is left as it is; serving on without it")
+    ]
+
+
+def test_a_fifo_standing_at_the_key_contract_path_is_not_replaced(layout, tmp_path: Path) -> None:
+    """As a device would not be: a rename over ``/dev/null`` as root replaces it for every program."""
+    path = tmp_path / "keys.json"
+    os.mkfifo(path)
+    with logged() as records:
+        started(layout, keys_json=path).report_plan()
+    assert stat.S_ISFIFO(os.lstat(path).st_mode)
+    assert [message for _, message in lines(records)] == [
+        f"kvpolicy: cannot write the key contract to {path} (kvpolicy_keys_json): it is a FIFO, not a regular file; "
+        "it is left as it is; serving on without it"
+    ]
+
+
+def test_a_status_path_holding_a_nul_is_one_error_line(layout, tmp_path: Path) -> None:
+    path = tmp_path / "plan\0.json"
+    with logged() as records:
+        started(layout, plan_json=path).report_plan()
+    assert lines(records) == [
+        ("ERROR", f"kvpolicy: cannot write the plan to {tmp_path}/plan\\x00.json (kvpolicy_plan_json): the path contains "
+                  "a NUL character; serving on without it")
+    ]
+
+
+def test_only_the_files_written_are_logged_as_written(layout, tmp_path: Path) -> None:
+    (tmp_path / "gone").mkdir()
+    runtime = started(layout, plan_json=tmp_path / "plan.json", keys_json=tmp_path / "gone" / "keys.json")
+    (tmp_path / "gone").rmdir()
+    with logged() as records:
+        runtime.report_plan()
+    written = [message for level, message in lines(records, logging.INFO) if "written to" in message]
+    assert written == [f"kvpolicy plan written to {tmp_path / 'plan.json'}"]
+
+
+def test_an_audited_step_whose_status_documents_cannot_be_rewritten_still_concludes(layout, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    runtime = started(layout, plan_json=run / "plan.json", keys_json=run / "keys.json")
+    runtime.report_plan()
+    shutil.rmtree(run)
+    with logged() as records:
+        outcome = runtime.conclude_step(reports_of(SAME, SAME, OTHER, SAME), differing, distance=far)
+    assert outcome.plan_changed and runtime.plan is not None and runtime.plan.factors == (1, 1)
+    failed = [message for level, message in lines(records) if level == "ERROR" and "cannot write" in message]
+    assert failed == [
+        f"kvpolicy: cannot write the key contract to {run / 'keys.json'} (kvpolicy_keys_json): No such file or directory; "
+        "serving on without it",
+        f"kvpolicy: cannot write the plan to {run / 'plan.json'} (kvpolicy_plan_json): No such file or directory; "
+        "serving on without it",
+    ]

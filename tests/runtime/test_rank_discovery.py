@@ -3,8 +3,11 @@ are threads of this process gathering over a list collective, as the simulation'
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
+
+from runtime_support import logged
 
 from kvpolicy.discovery import DiscoveryReport, group_layers
 from kvpolicy.loader import load, load_layout
@@ -108,3 +111,57 @@ def test_every_observed_step_has_its_cost(tmp_path: Path) -> None:
         _step(ranks, step)
     assert len(ranks[0].costs) == 2 and all(cost.report > 0 and cost.total >= cost.gather for cost in ranks[0].costs)
     assert all(cost.report == 0 for cost in ranks[1].costs)
+
+
+# --- a report that cannot be written: one line per rewrite, and observing goes on ------------------
+
+
+def _ranks_writing(path: Path, steps: int, collective: Rendezvous) -> list[RankDiscovery]:
+    return [
+        RankDiscovery(layout=LAYOUT, topology=Topology(tp_size=2), model="llama", steps=steps,
+                      gather=collective.member(rank), report_path=path if rank == 0 else None)
+        for rank in range(2)
+    ]
+
+
+def test_a_report_whose_directory_was_removed_is_one_error_line_per_rewrite_and_observing_goes_on(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    collective = Rendezvous(2)
+    ranks = _ranks_writing(run / "report.yaml", 2, collective)
+    run.rmdir()
+    with logged() as records:
+        for step in range(2):
+            _step(ranks, step)
+    assert collective.calls == [2, 2] and not any(rank.observing for rank in ranks)
+    assert not any(record.exc_info for record in records)
+    errors = [record.getMessage() for record in records if record.levelno >= logging.WARNING]
+    assert errors == [
+        f"kvpolicy: cannot write the discovery report to {run / 'report.yaml'} (kvpolicy_discover): "
+        "No such file or directory; serving on without it"
+    ] * 2  # after steps 1 and 2
+    assert not any("report written to" in record.getMessage() for record in records)
+    report = ranks[0].report()
+    assert report is not None and report.steps == 2
+
+
+def test_a_report_path_holding_a_nul_is_one_error_line(tmp_path: Path) -> None:
+    collective = Rendezvous(2)
+    ranks = _ranks_writing(tmp_path / "report\0.yaml", 1, collective)
+    with logged() as records:
+        _step(ranks, 0)
+    assert [record.getMessage() for record in records if record.levelno >= logging.WARNING] == [
+        f"kvpolicy: cannot write the discovery report to {tmp_path}/report\\x00.yaml (kvpolicy_discover): "
+        "the path contains a NUL character; serving on without it"
+    ]
+
+
+def test_a_report_path_that_became_a_directory_is_left_as_it_is(tmp_path: Path) -> None:
+    path = tmp_path / "report.yaml"
+    collective = Rendezvous(2)
+    ranks = _ranks_writing(path, 1, collective)
+    path.mkdir()
+    with logged() as records:
+        _step(ranks, 0)
+    assert path.is_dir() and list(path.iterdir()) == []
+    assert [record.levelname for record in records if record.levelno >= logging.WARNING] == ["ERROR"]
