@@ -268,6 +268,20 @@ CHECKS: tuple[Check, ...] = (
                 argv=("discover", "--propose", "a.yaml", "b.yaml")),
     ),
     Check(
+        "KVP404", "unsimulated-spec-class", "error",
+        "`kvpolicy discover --layout` names a spec class the offline simulation holds no bytes for (a plugin's "
+        "class, or one vLLM 0.32 does not ship).",
+        "The simulation builds every layer from vLLM's own spec classes (`vllm.v1.kv_cache_interface`) and holds, "
+        "per rank, the bytes `kvpolicy.sim.archetypes.physical_factor` states for them. For any other class it would "
+        "have to guess what each rank holds, and a guess is what discovery must not report, so the layout is refused "
+        "at that class's line before anything is started. Observe such a class on an engine: serve the model with "
+        "the connector's `kvpolicy_discover` setting (rank 0 writes the report), then `kvpolicy discover --propose` "
+        "the reports.",
+        Example(files=(("layout.yaml", _LAYOUT_HEAD + "  - spec: {type: ConvStateSpec, bases: [MambaSpec, KVCacheSpec], "
+                        "block_size: 16, page_size_bytes: 4096}\n    layers: [layers.0.conv]\n"),),
+                argv=("discover", "--layout", "layout.yaml", "--tp", "2")),
+    ),
+    Check(
         "KVP901", "too-many-problems", "error", "More problems than are listed for one file; fix these first.",
         "At most 100 problems are listed per file, and only those are described, so a file of 90,000 errors is "
         "still judged in about 1.5 s; the last line counts the rest. It is an error when the document is invalid "

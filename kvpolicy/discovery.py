@@ -22,8 +22,11 @@ from typing import Any, Literal
 from pydantic import Field, StrictInt, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from kvpolicy.diagnostics import PlanError
 from kvpolicy.dumper import flow, layout_data, yaml_text
-from kvpolicy.models import DocumentVersion, Layout, StrictModel, Topology
+from kvpolicy.engine import check_topology
+from kvpolicy.expressions import ExpressionError
+from kvpolicy.models import DocumentVersion, Layout, SpecExpressionError, StrictModel, Topology, topology_variables
 
 __all__ = [
     "MAX_DISTINCT_TRACKED",
@@ -40,8 +43,10 @@ __all__ = [
     "meet",
     "parse_partition",
     "partition_of",
+    "plan_problems",
     "report_problems",
     "runs",
+    "topology_label",
 ]
 
 Partition = tuple[tuple[int, ...], ...]
@@ -164,21 +169,33 @@ Location = tuple[str | int, ...]
 
 def report_problems(report: DiscoveryReport) -> list[tuple[Location, str]]:
     """What makes a well-formed report inconsistent, each where it stands: groups that are not the
-    layout's, partitions that are not partitions of the TP ranks, a group's partition or evidence that
-    is not what its layers' make. The model refuses such a report, and ``kvpolicy validate`` locates
-    each problem (KVP104); the connector's reports have none."""
+    layout's, partitions that are not partitions of the TP ranks (an empty class included), a group's
+    partition or evidence that is not what its layers' make, more distinct contents than blocks, and
+    an instance no plan could run (:func:`plan_problems`). The model refuses such a report, and
+    ``kvpolicy validate`` locates each problem (KVP104); the connector's reports have none, and
+    ``discover --propose`` and ``--check`` refuse nothing for it that validate accepts."""
     problems: list[tuple[Location, str]] = []
     tp_size = report.topology.tp_size
     if len(report.groups) != len(report.layout.groups):
         return [(("groups",), f"lists {len(report.groups)} groups; the report's layout has {len(report.layout.groups)}")]
 
     def check_partition(where: Location, partition: Partition) -> bool:
+        if any(not members for members in partition):
+            problems.append((where, f"{_listed(partition)} has an empty class; each class holds the ranks of one "
+                                    "content, at least one (an empty partition says nothing was compared)"))
+            return False
         ranks = [rank for members in partition for rank in members]
         if partition and sorted(ranks) != list(range(tp_size)):
             problems.append((where, f"{_listed(partition)} is not a partition of the TP ranks 0..{tp_size - 1} "
                                     "(each rank in exactly one class)"))
             return False
         return True
+
+    def check_distinct(where: Location, evidence: Evidence) -> None:
+        if evidence.distinct_blocks > evidence.blocks:
+            problems.append(((*where, "evidence", "distinct_blocks"),
+                             f"{evidence.distinct_blocks} distinct contents among {evidence.blocks} compared blocks; "
+                             "distinct contents are counted among the blocks compared, so at most as many"))
 
     for position, group in enumerate(report.groups):
         at: Location = ("groups", position)
@@ -190,8 +207,10 @@ def report_problems(report: DiscoveryReport) -> list[tuple[Location, str]]:
             problems.append(((*at, "layers"), f"group {position} lists layers {_short(listed)}; its layout's are {_short(expected)}"))
             continue
         valid = check_partition((*at, "partition"), group.partition)
+        check_distinct(at, group.evidence)
         meets: Partition | None = None
         for index, layer in enumerate(group.layers):
+            check_distinct((*at, "layers", index), layer.evidence)
             if not check_partition((*at, "layers", index, "partition"), layer.partition):
                 valid = False
             elif bool(layer.partition) != (layer.evidence.blocks > 0):
@@ -199,15 +218,63 @@ def report_problems(report: DiscoveryReport) -> list[tuple[Location, str]]:
                                  f"layer {layer.name}: a partition needs compared blocks and compared blocks a partition "
                                  f"({layer.evidence.blocks} compared)"))
             elif layer.partition:
-                meets = layer.partition if meets is None else meet(meets, layer.partition)
-        if valid and group.partition != (meets or ()):
+                meets = parse_partition(layer.partition) if meets is None else meet(meets, layer.partition)
+        if valid and parse_partition(group.partition) != (meets or ()):
             problems.append(((*at, "partition"), f"group {position}: {_listed(group.partition)} is not the meet of its "
                                                  f"layers' partitions, {_listed(meets or ())}"))
         sums = (sum(layer.evidence.blocks for layer in group.layers), sum(layer.evidence.zero_blocks for layer in group.layers))
         if (group.evidence.blocks, group.evidence.zero_blocks) != sums:
             problems.append(((*at, "evidence"), f"group {position}: {group.evidence.blocks} blocks and "
                                                 f"{group.evidence.zero_blocks} all-zero are not its layers' sums, {sums[0]} and {sums[1]}"))
+    return problems or plan_problems(report.layout, report.topology)
+
+
+def plan_problems(layout: Layout, topology: Topology) -> list[tuple[Location, str]]:
+    """What no policy could plan of the report's ``layout`` at its own ``topology``, each where it
+    stands in the report: a topology the engine refuses for this layout (too many (group, rank)
+    entries, sizes vLLM refuses together: :func:`kvpolicy.engine.check_topology`), a spec expression
+    that fails there, a group whose specs differ in block size there. The connector planned the
+    instance it observed, so no report of it has any; a report that does is not of an instance."""
+    label = topology_label(topology)
+    try:
+        check_topology(layout, topology)
+    except PlanError as error:
+        return [(("topology",), f"{label}: no plan is made at this topology, so no instance observed it: "
+                                f"{error.problems[0].message}")]
+    problems: list[tuple[Location, str]] = []
+    evaluated: dict[tuple[int, int], Any] = {}
+    for index, group in enumerate(layout.groups):
+        block_sizes: dict[int, str] = {}
+        for position, member in enumerate(group.members):
+            spec = member.spec
+            base: Location = ("layout", "groups", index, "spec") if group.uniform is None else (
+                "layout", "groups", index, "uniform", position, "spec")
+            for heads in dict.fromkeys(layout.layer_total_num_kv_heads(layer) for layer in member.layers):
+                key = (id(spec), heads)
+                if key not in evaluated:
+                    try:
+                        evaluated[key] = spec.evaluate(topology_variables(topology, heads, layout.total_num_kv_heads))
+                    except ExpressionError as error:
+                        evaluated[key] = None
+                        attribute = error.attribute if isinstance(error, SpecExpressionError) else ()
+                        problems.append(((*base, *attribute), f"group {index}: {spec.type} does not evaluate at the "
+                                                              f"report's own topology, {label}: {error.message}"))
+                values = evaluated[key]
+                if values is not None:
+                    block_sizes.setdefault(values.block_size, spec.type)
+        if len(block_sizes) > 1:
+            sizes = ", ".join(f"{size} ({name})" for size, name in block_sizes.items())
+            problems.append((("layout", "groups", index), f"group {index}: its specs have block sizes {sizes} at {label}; "
+                                                          "the layers of one vLLM KV-cache group share one block size"))
     return problems
+
+
+def topology_label(topology: Topology) -> str:
+    """``tp N`` and the other sizes above 1 (``tp 2, pp 4096, pcp 4096``)."""
+    parts = [f"tp {topology.tp_size}"]
+    parts += [f"{name} {value}" for name, value in (("pp", topology.pp_size), ("pcp", topology.pcp_size),
+                                                     ("dcp", topology.dcp_size)) if value > 1]
+    return ", ".join(parts)
 
 
 def _listed(partition: Partition) -> str:

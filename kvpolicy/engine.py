@@ -267,10 +267,15 @@ MAX_GLOB_MATCHES = 2_000_000
 """Layer-glob matches a plan may need (rules with ``layers`` × layers)."""
 
 
-def _check_bounded(
-    policy: Policy, layout: Layout, topology: Topology, store_sharding: StoreSharding | None = None
-) -> None:
-    """Refuse, before any work, a plan whose size alone would take seconds or gigabytes."""
+def check_topology(layout: Layout, topology: Topology) -> None:
+    """Refuse what no policy can plan of ``layout`` at ``topology`` (:class:`PlanError`): more (group,
+    rank) entries than a plan describes, sizes vLLM refuses together for this model. A discovery
+    report of such an instance is refused for it, as a plan of it is."""
+    _check_rank_entries(layout, topology)
+    _check_vllm_accepts(layout, topology)
+
+
+def _check_rank_entries(layout: Layout, topology: Topology, store_sharding: StoreSharding | None = None) -> None:
     # Per (group, pcp, pp): a rank entry per TP rank, and a namespace per store shard under a sharded store.
     per_stage = max(topology.tp_size, store_sharding.store_tp_size if store_sharding else 0)
     entries = len(layout.groups) * per_stage * topology.pcp_size * topology.pp_size
@@ -280,6 +285,13 @@ def _check_bounded(
             f"the plan would describe {entries:,} (group, rank) entries ({len(layout.groups)} groups x tp {topology.tp_size}"
             f"{shards} x pcp {topology.pcp_size} x pp {topology.pp_size}); at most {MAX_RANK_ENTRIES:,} are planned"
         )
+
+
+def _check_bounded(
+    policy: Policy, layout: Layout, topology: Topology, store_sharding: StoreSharding | None = None
+) -> None:
+    """Refuse, before any work, a plan whose size alone would take seconds or gigabytes."""
+    _check_rank_entries(layout, topology, store_sharding)
     layered = sum(1 for rule in policy.rules if rule.match.layers is not None)
     layers = sum(len(member.layers) for group in layout.groups for member in group.members)
     if layered * layers > MAX_GLOB_MATCHES:
@@ -749,7 +761,7 @@ def _decide_new_group(
 
 
 def _replica_set_size(head_factor: int, ranks: _RankCache, decisions: Sequence[LayerDecision], label: str) -> int:
-    """Ranks per replica set (:func:`_replica_set`): of ``head_factor`` consecutive ranks repeating a
+    """Ranks per replica set (:func:`rank_replica_sets`): of ``head_factor`` consecutive ranks repeating a
     head, those holding the same tokens under decode-context parallelism."""
     size = ranks.replica_set_size(head_factor)
     if size is not None:
@@ -909,13 +921,10 @@ class _RankCache:
         self._namespaces: dict[int, tuple[tuple[int, int], ...]] = {}
 
     def replica_sets(self, head_factor: int) -> tuple[tuple[int, ...], ...]:
-        """:func:`_replica_set` of every TP rank."""
+        """:func:`rank_replica_sets`, once per head factor."""
         found = self._replica_sets.get(head_factor)
         if found is None:
-            topology = self.topology
-            found = self._replica_sets[head_factor] = tuple(
-                _replica_set(rank, head_factor, topology) for rank in range(topology.tp_size)
-            )
+            found = self._replica_sets[head_factor] = rank_replica_sets(head_factor, self.topology)
         return found
 
     def replica_set_size(self, head_factor: int) -> int | None:
@@ -1047,17 +1056,31 @@ def _spec_types(members: Sequence[Member]) -> tuple[str, ...]:
 
 def replica_partition(head_factor: int, topology: Topology) -> tuple[tuple[int, ...], ...]:
     """The replica sets a head factor gives the TP ranks (each set ascending, sets by first rank):
-    the partitions of ranks into equal bytes a plan can express."""
-    return tuple(sorted({_replica_set(rank, head_factor, topology) for rank in range(topology.tp_size)}))
+    the partitions of ranks into equal bytes a plan can express. Work and memory linear in
+    ``tp_size``, whatever the factor."""
+    # Told apart by their first rank, not hashed: hashing a set of tp_size ranks costs tp_size.
+    firsts = {members[0]: members for members in rank_replica_sets(head_factor, topology)}
+    return tuple(firsts[first] for first in sorted(firsts))
 
 
-def _replica_set(tp_rank: int, head_factor: int, topology: Topology) -> tuple[int, ...]:
-    """The ranks holding ``tp_rank``'s bytes: of its run of ``head_factor`` ranks repeating the same
-    heads, those of its dcp rank (:meth:`Topology.dcp_rank`; the same at every PCP rank in every
-    topology vLLM allows)."""
-    start = tp_rank - tp_rank % head_factor
-    own = topology.dcp_rank(tp_rank)
-    return tuple(rank for rank in range(start, start + head_factor) if topology.dcp_rank(rank) == own)
+def rank_replica_sets(head_factor: int, topology: Topology) -> tuple[tuple[int, ...], ...]:
+    """The replica set of every TP rank, in rank order: the ranks holding its bytes, of its run of
+    ``head_factor`` ranks repeating the same heads those of its dcp rank (:meth:`Topology.dcp_rank`;
+    the same at every PCP rank in every topology vLLM allows). Each set is one tuple its members share.
+
+    Built run by run (each run split by dcp rank once), so work and memory are linear in ``tp_size``:
+    a set worked out rank by rank costs ``tp_size`` x ``head_factor``, 16.8 million dcp ranks and
+    hundreds of MB for a group replicated over TP 4096."""
+    tp_size = topology.tp_size
+    by_rank: list[tuple[int, ...]] = []
+    for start in range(0, tp_size, head_factor):
+        own = [topology.dcp_rank(rank) for rank in range(start, start + head_factor)]
+        classes: dict[int, list[int]] = {}
+        for offset, dcp_rank in enumerate(own):
+            classes.setdefault(dcp_rank, []).append(start + offset)
+        shared = {dcp_rank: tuple(members) for dcp_rank, members in classes.items()}
+        by_rank.extend(shared[dcp_rank] for dcp_rank in own[: tp_size - start])
+    return tuple(by_rank)
 
 
 def _stripe_rank(tp_rank: int, topology: Topology) -> int:

@@ -17,28 +17,64 @@ policy whose rules reproduce every observed partition:
   per observed TP size (``when: tp_size == N``), which says nothing about other TP sizes (they fall to
   ``unmatched: sharded``).
 
-The proposal is checked before it is returned: planned on every report's layout and topology, it
-must give each layer the observed head factor and each group the observed replica sets
-(:func:`disagreements`).
+Rules by layer names match each name alone (glob characters escaped, :func:`escape_glob`).
+
+The proposal is checked before it is returned: read back, and planned on every report's layout and
+topology, it must give each layer the observed head factor and each group the replica sets its
+observed layers make (:func:`differences`). Where it does not, nothing is proposed: each reason is a
+located refusal, never an exception.
+
+:func:`check_policy` is ``discover --check``: a policy against reports, each departure dangerous (the
+plan puts ranks that held different bytes in one replica set) or harmless (it keeps apart ranks that
+held the same bytes), and layers with no evidence left unjudged, with the exit code of the worst.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from kvpolicy.diagnostics import Diagnostic, DocumentError, PlanError, printable_path
-from kvpolicy.discovery import DiscoveryReport, LayerObservation, Partition, parse_partition
+from kvpolicy.discovery import (
+    DiscoveryReport,
+    GroupObservation,
+    LayerObservation,
+    Partition,
+    parse_partition,
+    topology_label,
+)
 from kvpolicy.dumper import yaml_text
 from kvpolicy.engine import make_plan, replica_partition
 from kvpolicy.expressions import ExpressionError
 from kvpolicy.loader import check_text, load_policy, read_text
 from kvpolicy.models import Policy, Topology, topology_variables
+from kvpolicy.plan import GroupPlan
 from kvpolicy.yamlsource import SourceMap, parse
 
-__all__ = ["MIN_BLOCKS", "MIN_DISTINCT", "LoadedReport", "Proposal", "disagreements", "load_reports", "propose"]
+__all__ = [
+    "MIN_BLOCKS",
+    "MIN_DISTINCT",
+    "EXIT_AGREES",
+    "EXIT_DANGEROUS",
+    "EXIT_DIFFERS",
+    "EXIT_NO_EVIDENCE",
+    "Difference",
+    "LoadedReport",
+    "Proposal",
+    "check_policy",
+    "differences",
+    "disagreements",
+    "escape_glob",
+    "head_factor_of",
+    "load_reports",
+    "observation_summary",
+    "propose",
+    "shown_partition",
+]
 
 MIN_BLOCKS = 4
 """Blocks compared (non-zero on every rank) a layer's observation needs before a rule rests on it."""
@@ -113,11 +149,38 @@ def thin(layer: LayerObservation) -> bool:
 
 
 def head_factor_of(partition: Partition, topology: Topology) -> int | None:
-    """The head factor whose replica sets are ``partition`` (what a rule's factor states), or None."""
-    for factor in range(1, topology.tp_size + 1):
-        if topology.tp_size % factor == 0 and replica_partition(factor, topology) == partition:
-            return factor
-    return None
+    """The head factor whose replica sets are ``partition`` (what a rule's factor states), or None:
+    none where no factor's replica sets are the partition, or only a factor the plan refuses (under
+    decode-context parallelism, one whose runs split into replica sets of different sizes)."""
+    return _expressible(topology.tp_size, topology.pcp_size, topology.dcp_size).get(parse_partition(partition))
+
+
+@functools.lru_cache(maxsize=8)
+def _expressible(tp_size: int, pcp_size: int, dcp_size: int) -> dict[Partition, int]:
+    """Every partition of the TP ranks a plan can give them, with its head factor: the replica sets of
+    each divisor of ``tp_size`` whose sets are all of one size (the engine refuses the others). A few
+    dozen partitions of ``tp_size`` ranks each, worked out once per topology (the last few kept)."""
+    topology = Topology(tp_size=tp_size, pcp_size=pcp_size, dcp_size=dcp_size)
+    found: dict[Partition, int] = {}
+    for factor in range(1, tp_size + 1):
+        if tp_size % factor == 0:
+            partition = replica_partition(factor, topology)
+            if len({len(members) for members in partition}) == 1:
+                found.setdefault(partition, factor)
+    return found
+
+
+def _refines(finer: Partition, coarser: Partition) -> bool:
+    """Whether every class of ``finer`` lies within one class of ``coarser``: the ranks a plan puts in
+    one replica set (``finer``) all held the same bytes (``coarser``)."""
+    where = {rank: index for index, members in enumerate(coarser) for rank in members}
+    return all(len({where.get(rank, -1 - rank) for rank in members}) == 1 for members in finer)
+
+
+def escape_glob(name: str) -> str:
+    """``name`` as a ``match.layers`` glob matching that name alone (fnmatch: ``*``, ``?`` and ``[``
+    each in brackets)."""
+    return re.sub(r"[*?[]", lambda found: f"[{found.group()}]", name)
 
 
 def _sightings(loaded: LoadedReport, refusals: list[Diagnostic]) -> list[_Sighting]:
@@ -147,7 +210,7 @@ def _sightings(loaded: LoadedReport, refusals: list[Diagnostic]) -> list[_Sighti
             if factor is None:
                 odd.append((position, (
                     f"{where}: ranks held equal bytes in classes {[list(c) for c in partition]}, which are not the "
-                    f"replica sets of any factor at {_topology_label(topology)} (runs of consecutive ranks of one size); "
+                    f"replica sets of any factor at {topology_label(topology)} (runs of consecutive ranks of one size); "
                     "no rule can express it, so none is proposed"
                 )))
                 continue
@@ -168,13 +231,6 @@ def _sightings(loaded: LoadedReport, refusals: list[Diagnostic]) -> list[_Sighti
                 refusals.append(loaded.source.diagnostic(("groups", group_index, "layers", position, what),
                                                          message + more, code=code, prefer_key=what == "evidence"))
     return found
-
-
-def _topology_label(topology: Topology) -> str:
-    parts = [f"tp {topology.tp_size}"]
-    parts += [f"{name} {value}" for name, value in (("pp", topology.pp_size), ("pcp", topology.pcp_size),
-                                                     ("dcp", topology.dcp_size)) if value > 1]
-    return ", ".join(parts)
 
 
 # --- fitting --------------------------------------------------------------------------------------
@@ -320,13 +376,15 @@ def _render(rules: list[_Rule], loaded: Sequence[LoadedReport], name: str) -> st
     default = load_policy("default")
     header = [
         f"# Proposed by 'kvpolicy discover --propose' from {len(loaded)} report{'s' if len(loaded) != 1 else ''}:",
-        *(f"#   {printable_path(item.path)}: {_printable(item.report.model)} at {_topology_label(item.report.topology)} "
+        *(f"#   {printable_path(item.path)}: {_printable(item.report.model)} at {topology_label(item.report.topology)} "
           f"({item.report.source}, {item.report.steps} steps)" for item in loaded[:MAX_EVIDENCE_LINES]),
         *([f"#   and {len(loaded) - MAX_EVIDENCE_LINES} more"] if len(loaded) > MAX_EVIDENCE_LINES else []),
         *([
             "# Some observations come from the simulation, which holds what kvpolicy.sim.archetypes.physical_factor",
-            "# states for vLLM's own spec classes: a class it does not know is simulated as attention by KV heads,",
-            "# so observe a new state type on an engine (kvpolicy_discover) before trusting its rule.",
+            "# states for vLLM's own spec classes (MLA whole on every rank, Mamba state split unless tp_replicated,",
+            "# any other class repeated by KV heads as attention is): its rules restate that model, not a measurement.",
+            "# 'kvpolicy discover --layout' refuses a class vLLM does not ship; observe a new state type on an engine",
+            "# (the connector's kvpolicy_discover) before trusting its rule.",
         ] if any(item.report.source == "simulation" for item in loaded) else []),
         "# Review it, compare it with the policy you run (kvpolicy diff CURRENT THIS --layout L --tp N),",
         "# and deploy it with the audit on.",
@@ -362,7 +420,7 @@ def _render(rules: list[_Rule], loaded: Sequence[LoadedReport], name: str) -> st
             if rule.fields:
                 match["fields"] = dict(rule.fields)
             if rule.layers:
-                match["layers"] = list(rule.layers)
+                match["layers"] = [escape_glob(layer) for layer in rule.layers]
             entry: dict[str, Any] = {"name": rule_name, "reason": _reason(rule, dict(outcome)), "match": match}
             entry.update(outcome)
             if index == 0:
@@ -406,47 +464,309 @@ def propose(loaded: Sequence[LoadedReport], *, name: str = "discovered") -> tupl
     # before their bases; rules narrowed by layer names or field values go before the class's own.
     rules.sort(key=lambda rule: (-rule.depth, rule.spec_type, not rule.layers, not rule.fields))
     text = _render(rules, loaded, name)
-    policy, problems = check_text(text, f"<proposal {name}>")
-    errors = [problem for problem in problems if problem.severity == "error"]
-    if policy is None or errors or not isinstance(policy, Policy):
-        raise AssertionError("kvpolicy wrote a proposal it cannot read back: " + "; ".join(map(str, errors)))
-    for item in loaded:
-        found = disagreements(policy, item.report)
-        if found:
-            raise AssertionError(f"the proposal does not reproduce {item.path}: {'; '.join(found)}")
+    refusals = _self_check(text, name, loaded)
+    if refusals:
+        return None, sorted(refusals)
+    policy = check_text(text, f"<proposal {name}>")[0]
+    assert isinstance(policy, Policy)  # _self_check read it back
     return Proposal(text, policy), []
 
 
-def disagreements(policy: Policy, report: DiscoveryReport) -> list[str]:
+def _self_check(text: str, name: str, loaded: Sequence[LoadedReport]) -> list[Diagnostic]:
+    """Why the proposal ``text`` is not what the reports support, each located in a report: it does
+    not read back as a policy, or planned on a report's layout and topology it refuses or departs from
+    an observation. Empty when it reproduces every observed partition."""
+    policy, problems = check_text(text, f"<proposal {name}>")
+    errors = [problem for problem in problems if problem.severity == "error"]
+    if policy is None or errors or not isinstance(policy, Policy):
+        first = errors[0] if errors else None
+        why = f"{first.message} (line {first.line} of the proposal)" if first else "it is no ReplicationPolicy"
+        return [loaded[0].source.diagnostic(
+            (), f"the policy proposed from these reports does not read back ({why}); nothing is proposed",
+            code=first.code if first else "KVP101",
+        )]
+    refusals: list[Diagnostic] = []
+    for item in loaded:
+        try:
+            found = differences(policy, item.report)
+        except PlanError as error:
+            refusals.append(item.source.diagnostic(
+                ("topology",), f"the rules proposed cannot plan {_printable(item.report.model)} at "
+                f"{topology_label(item.report.topology)}: {error.problems[0].message}; nothing is proposed",
+                code="KVP301",
+            ))
+            continue
+        departures = [difference for difference in found if difference.kind != "unjudged"]
+        by_layer = {difference.group for difference in departures if difference.layers}
+        refusals.extend(
+            item.source.diagnostic(
+                difference.location, f"the rules proposed do not reproduce this observation: {difference.message}; "
+                "nothing is proposed", code="KVP402",
+            )
+            for difference in departures
+            if difference.layers or difference.group not in by_layer  # a group's sets follow from its layers'
+        )
+    return refusals
+
+
+# --- a policy against observations ----------------------------------------------------------------
+
+MAX_SHOWN_RANKS = 64
+"""Ranks a partition shows in a message; a larger one is cut (TP 4096 lists 4096 ranks)."""
+
+
+Kind = Literal["dangerous", "harmless", "unjudged"]
+
+
+@dataclass(frozen=True)
+class Difference:
+    """Where a policy's plan departs from one report's observation: a group's layers alike in how
+    (named once), a group's replica sets, or layers observed on too little evidence to judge."""
+
+    kind: Kind
+    """``dangerous``: the plan puts ranks observed holding different bytes in one replica set (a warm
+    hit would load another rank's state); ``harmless``: the plan keeps apart ranks that held the same
+    bytes (it writes more than needed); ``unjudged``: no or too little evidence to tell."""
+    group: int
+    message: str
+    """One line naming the group and layers, what was planned and what was observed."""
+    location: tuple[str | int, ...]
+    """Where in the report the observation stands (its first layer's, for several)."""
+    layers: int = 1
+    """Layers it stands for (0 for a group's replica sets)."""
+
+
+def differences(policy: Policy, report: DiscoveryReport) -> list[Difference]:
     """Where ``policy``, planned on the report's layout and topology, departs from what was observed:
-    a layer given another head factor (or observed in classes no factor expresses), a group given other
-    replica sets. Layers observed on too little evidence (:func:`thin`) are not judged, nor groups with
-    such a layer. A policy that cannot plan the layout is one disagreement."""
+    layers given another head factor (or observed in classes no factor expresses), a group given other
+    replica sets than its observed layers make; and layers observed on too little evidence
+    (:func:`thin`), which are not judged, nor their group's replica sets. Raises :class:`PlanError`
+    when the policy cannot plan the layout there.
+
+    A group's observed partition is the meet of its layers'; where no factor expresses it (layers of
+    factors 2 and 3 at TP 6), a plan can do no better than the gcd of its layers' factors, and that is
+    what the group is held to. Work is linear in layers x TP ranks."""
     topology = report.topology
-    try:
-        plan = make_plan(policy, report.layout, topology)
-    except PlanError as error:
-        return [f"the policy cannot plan {report.model} at {_topology_label(topology)}: {error.problems[0].message}"]
-    found = []
+    plan = make_plan(policy, report.layout, topology)
+    found: list[Difference] = []
     for group, observed in zip(plan.groups, report.groups, strict=True):
-        decisions = {decision.layer: decision for decision in group.decisions}
-        judged = [layer for layer in observed.layers if not thin(layer)]
-        for layer in judged:
-            factor = head_factor_of(parse_partition(layer.partition), topology)
-            planned = decisions[layer.name].factor
-            if factor is None:
-                found.append(f"group {group.index} layer {layer.name}: observed {_listed(layer.partition)}, which no "
-                             "factor expresses; planned head factor {planned}".replace("{planned}", str(planned)))
-            elif planned != factor and not group.demoted:
-                found.append(f"group {group.index} layer {layer.name}: planned head factor {planned}, observed {factor}")
-        if judged and len(judged) == len(observed.layers):
-            planned_sets = tuple(sorted({rank.replica_set for rank in group.ranks}))
-            if planned_sets != parse_partition(observed.partition):
-                found.append(
-                    f"group {group.index} ({group.name}): planned replica sets {_listed(planned_sets)}, "
-                    f"observed {_listed(parse_partition(observed.partition))}"
-                )
+        found.extend(_group_differences(group, observed, topology))
     return found
+
+
+def _group_differences(group: GroupPlan, observed: GroupObservation, topology: Topology) -> list[Difference]:
+    index = group.index
+    label = f"group {index} ({group.name})"
+    decisions = {decision.layer: decision for decision in group.decisions}
+    alike: dict[tuple[Kind, str], list[tuple[int, str]]] = {}
+    unjudged: dict[bool, list[tuple[int, LayerObservation]]] = {}
+    observed_factors: list[int | None] = []
+    for position, layer in enumerate(observed.layers):
+        if thin(layer):
+            unjudged.setdefault(layer.evidence.blocks == 0, []).append((position, layer))
+            continue
+        partition = parse_partition(layer.partition)
+        factor = head_factor_of(partition, topology)
+        observed_factors.append(factor)
+        planned = decisions[layer.name].factor
+        if planned == factor:
+            continue
+        kind: Kind = "harmless" if _refines(replica_partition(planned, topology), partition) else "dangerous"
+        if factor is None:
+            what = f"observed {shown_partition(partition)}, which no factor expresses; planned head factor {planned}"
+        else:
+            what = f"planned head factor {planned}, observed {factor}"
+        alike.setdefault((kind, what), []).append((position, layer.name))
+    found = [
+        Difference(kind, index, f"group {index} {_layers_label([name for _, name in layers])}: {what}",
+                   ("groups", index, "layers", layers[0][0], "partition"), len(layers))
+        for (kind, what), layers in alike.items()
+    ]
+    for empty, layers in sorted(unjudged.items(), reverse=True):
+        names = _layers_label([layer.name for _, layer in layers])
+        if empty:
+            zero = sum(layer.evidence.zero_blocks for _, layer in layers)
+            what = (f"no evidence: its {zero} blocks were all zero on some rank, which proves nothing" if zero
+                    else "no evidence: no block of it was observed")
+        else:
+            blocks = sum(layer.evidence.blocks for _, layer in layers)
+            distinct = sum(layer.evidence.distinct_blocks for _, layer in layers)
+            what = (f"too little evidence: {blocks} blocks ({distinct} distinct) compared; judging a layer takes "
+                    f"{MIN_BLOCKS} blocks of {MIN_DISTINCT} distinct contents")
+        found.append(Difference("unjudged", index, f"{label} {names}: {what}",
+                                ("groups", index, "layers", layers[0][0], "evidence"), len(layers)))
+    if unjudged or not observed.layers:
+        return found
+    firsts = {rank.replica_set[0]: rank.replica_set for rank in group.ranks}  # by first rank: never hashed whole
+    planned_sets = tuple(firsts[first] for first in sorted(firsts))
+    seen = parse_partition(observed.partition)
+    if planned_sets == seen:
+        return found
+    factors = [factor for factor in observed_factors if factor is not None]
+    if len(factors) == len(observed_factors):
+        best = replica_partition(math.gcd(*factors), topology)
+        if planned_sets == best:  # the observed meet is no factor's: the plan cannot do better
+            return found
+    sets: Kind = "harmless" if _refines(planned_sets, seen) else "dangerous"
+    what = f"planned replica sets {shown_partition(planned_sets)}, observed {shown_partition(seen)}"
+    found.append(Difference(sets, index, f"{label}: {what}", ("groups", index, "partition"), 0))
+    return found
+
+
+EXIT_AGREES = 0
+"""``discover --check``: the policy plans every observed group and layer as observed."""
+EXIT_DIFFERS = 1
+"""``discover --check``: the policy departs from the observations only harmlessly (it keeps apart ranks
+that held the same bytes, and writes them more than once), or it cannot plan a report (located errors),
+or an input is invalid."""
+EXIT_NO_EVIDENCE = 3
+"""``discover --check``: some observed layer rests on no (or too little) evidence to judge it, and
+nothing judged is dangerous: not a pass, since what was not observed may be either."""
+EXIT_DANGEROUS = 4
+"""``discover --check``: the policy puts in one replica set ranks observed holding different bytes:
+with it, a warm hit loads another rank's state."""
+_SEVERITY = (EXIT_AGREES, EXIT_DIFFERS, EXIT_NO_EVIDENCE, EXIT_DANGEROUS)
+"""Exit codes from least to most severe: the worst found is the exit code."""
+MAX_LINES_PER_REPORT = 50
+"""Lines ``discover --check`` prints per report at most; the rest are counted."""
+
+
+def check_policy(policy: Policy, loaded: Sequence[LoadedReport]) -> tuple[list[str], int]:
+    """``kvpolicy discover --check``: the lines to print and the exit code. The first line is the
+    verdict (``DANGEROUS``, ``NO EVIDENCE``, harmless differences, or agreement, with the exit code);
+    then, per report, its differences, the dangerous first, alike layers of a group on one line; a
+    report the policy cannot plan gives its plan errors, located (at the report's topology where the
+    engine names no place in the policy)."""
+    body: list[str] = []
+    totals = {"dangerous": 0, "harmless": 0, "unjudged": 0}
+    refused = 0
+    code = EXIT_AGREES
+    for item in loaded:
+        report = item.report
+        label = (f"{printable_path(item.path)}: policy {policy.name} vs {_printable(report.model)} at "
+                 f"{topology_label(report.topology)}")
+        try:
+            found = differences(policy, report)
+        except PlanError as error:
+            refused += 1
+            code = max(code, EXIT_DIFFERS, key=_SEVERITY.index)
+            body.append(f"{label}: the policy cannot plan it")
+            for problem in error.problems[:MAX_LINES_PER_REPORT]:
+                if problem.location:
+                    body.append(f"{printable_path(problem.location)}: error: {_one_line(problem.message)} [KVP301]")
+                else:
+                    body.append(str(item.source.diagnostic(("topology",), problem.message, code="KVP301")))
+            continue
+        counts = {kind: sum(d.layers or 1 for d in found if d.kind == kind) for kind in totals}
+        for kind, count in counts.items():
+            totals[kind] += count
+        if counts["dangerous"]:
+            code = EXIT_DANGEROUS
+        elif counts["unjudged"]:
+            code = max(code, EXIT_NO_EVIDENCE, key=_SEVERITY.index)
+        elif counts["harmless"]:
+            code = max(code, EXIT_DIFFERS, key=_SEVERITY.index)
+        departures = counts["dangerous"] + counts["harmless"]
+        said = []
+        if departures:
+            said.append(f"{departures} difference{'s' if departures != 1 else ''}, "
+                        + (f"{counts['dangerous']} DANGEROUS" if counts["dangerous"] else "all harmless"))
+        if counts["unjudged"]:
+            said.append(f"no evidence to judge {counts['unjudged']} layer{'s' if counts['unjudged'] != 1 else ''}")
+        body.append(f"{label}: {'; '.join(said) if said else 'agrees with every observed group and layer'}")
+        order = {"dangerous": 0, "harmless": 1, "unjudged": 2}
+        lines = [f"  {_KIND_WORDS[d.kind]}: {d.message}" for d in sorted(found, key=lambda d: (order[d.kind], d.group))]
+        body.extend(lines[:MAX_LINES_PER_REPORT])
+        if len(lines) > MAX_LINES_PER_REPORT:
+            body.append(f"  ... and {len(lines) - MAX_LINES_PER_REPORT} more")
+    reports = f"{len(loaded)} report{'s' if len(loaded) != 1 else ''}"
+    if code == EXIT_DANGEROUS:
+        verdict = (f"DANGEROUS: policy {policy.name} puts ranks observed holding different bytes in one replica set "
+                   f"({totals['dangerous']} place{'s' if totals['dangerous'] != 1 else ''} in {reports}): it treats "
+                   "sharded state as replicated, and a warm hit would load another rank's state")
+    elif code == EXIT_NO_EVIDENCE:
+        verdict = (f"NO EVIDENCE: {totals['unjudged']} observed layer{'s' if totals['unjudged'] != 1 else ''} of "
+                   f"{reports} compared no (or too few) blocks, so policy {policy.name} cannot be judged there; "
+                   "observe more steps with prompts of several blocks")
+    elif code == EXIT_DIFFERS:
+        parts = []
+        if totals["harmless"]:
+            parts.append(f"departs harmlessly from {reports} in {totals['harmless']} place"
+                         f"{'s' if totals['harmless'] != 1 else ''} (it writes bytes ranks hold alike more than once)")
+        if refused:
+            parts.append(f"cannot plan {refused} of {reports} (errors below)")
+        verdict = f"policy {policy.name} {' and '.join(parts)}"
+    else:
+        verdict = f"policy {policy.name} agrees with every observed group and layer of {reports}"
+    return [f"{verdict} (exit {code})", *body], code
+
+
+_KIND_WORDS = {"dangerous": "DANGEROUS", "harmless": "harmless", "unjudged": "not judged"}
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def disagreements(policy: Policy, report: DiscoveryReport) -> list[str]:
+    """:func:`differences` that are departures (not layers left unjudged), one line each; a policy
+    that cannot plan the layout is one disagreement."""
+    try:
+        found = differences(policy, report)
+    except PlanError as error:
+        return [f"the policy cannot plan {report.model} at {topology_label(report.topology)}: {error.problems[0].message}"]
+    return [difference.message for difference in found if difference.kind != "unjudged"]
+
+
+def observation_summary(report: DiscoveryReport, label: str) -> tuple[list[str], bool]:
+    """What ``kvpolicy discover`` prints of a report it observed (``label``: where it was written), one
+    line per group, and whether every layer had evidence. A group that compared no block says "no
+    evidence", never a partition; one whose layers compared too few blocks to propose from says so."""
+    topology = report.topology
+    lines = [f"{label}: {_printable(report.model)} at tp {topology.tp_size}, {report.steps} steps observed"]
+    every = True
+    for group, observed in zip(report.layout.groups, report.groups, strict=True):
+        types = ", ".join(dict.fromkeys(member.spec.type for member in group.members))
+        evidence = observed.evidence
+        head = f"  group {observed.index} {observed.name or '-'} ({types})"
+        empty = sum(1 for layer in observed.layers if layer.evidence.blocks == 0)
+        scant = sum(1 for layer in observed.layers if thin(layer)) - empty
+        every = every and not empty
+        if not observed.partition:
+            lines.append(f"{head}: no evidence: no block compared in any of its {len(observed.layers)} layers "
+                         f"({evidence.zero_blocks} all zero on some rank)")
+            continue
+        partition = parse_partition(observed.partition)
+        factor = head_factor_of(partition, topology)
+        said = f"factor {factor}" if factor is not None else "no factor expresses it"
+        notes = []
+        if empty:
+            notes.append(f"no evidence for {empty} of its {len(observed.layers)} layers (no block compared)")
+        if scant:
+            notes.append(f"too little evidence for {scant} of its layers to propose from ({MIN_BLOCKS} blocks of "
+                         f"{MIN_DISTINCT} distinct contents each)")
+        lines.append(f"{head}: equal bytes in {shown_partition(partition)} ({said}); {evidence.blocks} blocks compared, "
+                     f"{evidence.zero_blocks} all-zero" + "".join(f"; {note}" for note in notes))
+    return lines, every
+
+
+def _layers_label(names: Sequence[str]) -> str:
+    return f"layer {names[0]}" if len(names) == 1 else f"layers {names[0]} (+{len(names) - 1} alike)"
+
+
+def shown_partition(partition: Partition) -> str:
+    """``partition`` as a list of lists, cut after :data:`MAX_SHOWN_RANKS` ranks (saying how many)."""
+    ranks = sum(len(members) for members in partition)
+    if ranks <= MAX_SHOWN_RANKS:
+        return _listed(partition)
+    parts, left = [], MAX_SHOWN_RANKS
+    for members in partition:
+        if left <= 0:
+            break
+        parts.append("[" + ", ".join(map(str, members[:left])) + (", ..." if len(members) > left else "") + "]")
+        left -= len(members)
+    more = ", ..." if len(parts) < len(partition) else ""
+    return f"[{', '.join(parts)}{more}] ({len(partition)} class{'es' if len(partition) != 1 else ''} of {ranks} ranks)"
 
 
 def _listed(partition: Partition) -> str:

@@ -17,7 +17,7 @@ from kvpolicy.traffic import PromptTraffic
 DOCUMENT_VERSIONS: Mapping[str, int] = MappingProxyType(
     {
         "KeyContract": 1,
-        "ReplicationPlan": 1,
+        "ReplicationPlan": 2,
         "ValidationReport": 1,
         "PolicyDiff": 1,
         "AuditReport": 1,
@@ -158,6 +158,15 @@ def plan_to_json(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = 
     """The plan as JSON; each group's ``audit`` field is its audit status (as in :func:`format_plan_table`)."""
     topology = plan.topology
     statuses = _audit_statuses(plan, audit)
+    # Each rank names its replica set by index into its group's list: written out per rank, the sets of a
+    # group replicated over every rank would be tp² numbers (300 MB at TP 4096).
+    # The engine shares one tuple among the ranks of a set: keyed by identity, not hashed (tp numbers a hash).
+    replica_sets = {
+        group.index: tuple({id(rank.replica_set): rank.replica_set for rank in group.ranks}.values()) for group in plan.groups
+    }
+    set_index = {
+        index: {id(members): position for position, members in enumerate(sets)} for index, sets in replica_sets.items()
+    }
     return versioned("ReplicationPlan", {
         "policy": plan.policy,
         "model": plan.model,
@@ -188,11 +197,12 @@ def plan_to_json(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = 
                 "chunk_tokens": group.chunk_tokens,
                 "own_kv_heads": [{"total_num_kv_heads": heads, "layers": layers} for heads, layers in group.own_kv_heads],
                 "lookup_namespaces": list(group.lookup_namespaces),
+                "replica_sets": [list(members) for members in replica_sets[group.index]],
                 "ranks": [
                     {
                         "tp_rank": rank.tp_rank,
                         "shard": rank.shard,
-                        "replica_set": list(rank.replica_set),
+                        "replica_set": set_index[group.index][id(rank.replica_set)],
                         "stripe_rank": rank.stripe_rank,
                         "store_shards": list(rank.store_shards),
                         "writes": {

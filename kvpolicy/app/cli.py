@@ -1,7 +1,8 @@
-"""The ``kvpolicy`` command: validate, rule, schema, plan, explain, keys, diff, vllm-config, audit, doctor, demo.
+"""Declarative per-cache-group TP replication policies for vLLM's Mooncake store connector.
 
-Exit codes: 0 success; 1 the input is invalid (every problem printed as ``PATH:LINE:COL: error: ...``)
-or a check failed; 2 the command line is wrong.
+The ``kvpolicy`` command; ``kvpolicy --help`` lists its commands. Exit codes: 0 success; 1 the input is
+invalid (every problem printed as ``PATH:LINE:COL: error: ...``) or a check failed; 2 the command line is
+wrong; ``discover --check`` also 3 (no evidence) and 4 (a dangerous difference).
 """
 
 from __future__ import annotations

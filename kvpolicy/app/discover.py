@@ -20,13 +20,12 @@ import tempfile
 from pathlib import Path
 
 from kvpolicy.app.archetypes import archetype_name, archetypes_help
-from kvpolicy.app.topology_flags import add_topology_flag
+from kvpolicy.app.topology_flags import add_topology_flag, several_help
 from kvpolicy.diagnostics import DocumentError, printable_path
 from kvpolicy.discovery import DiscoveryReport
 from kvpolicy.loader import load_layout, load_policy
 from kvpolicy.models import NAME_PATTERN
-from kvpolicy.propose import head_factor_of, load_reports, propose
-from kvpolicy.propose import disagreements as policy_disagreements
+from kvpolicy.propose import load_reports, propose
 
 __all__ = ["add_discover_parser"]
 
@@ -59,12 +58,18 @@ def add_discover_parser(commands: argparse._SubParsersAction) -> None:  # type: 
     target = discover.add_mutually_exclusive_group()
     target.add_argument("--archetype", type=archetype_name, help=archetypes_help("observe a simulated archetype"))
     target.add_argument("--layout", help="observe a layout (an example layout's name or a path) on simulated ranks")
+    target.add_argument("--model", metavar="CONFIG_OR_DIR",
+                        help="observe a tiny copy of a model on a real vLLM engine, from its config.json (a file, a "
+                             "directory holding one, a transformers model type or a vLLM architecture)")
     target.add_argument("--propose", action="store_true", help="write the policy the REPORTs support (exit 1 if they cannot)")
-    target.add_argument("--check", metavar="POLICY", help="compare POLICY's plan with the REPORTs (exit 1 on any difference)")
-    add_topology_flag(discover, "tp_size", nargs="+", default=None,
-                      help="TP sizes to observe at (--tp 2 4 or --tp 2 --tp 4)")
+    target.add_argument("--check", metavar="POLICY", help="compare POLICY's plan with the REPORTs: exit 0 agrees, 1 harmless differences (or a "
+                        "policy that cannot plan a report), 3 no evidence for some layer, 4 DANGEROUS (a replica "
+                        "set holding different bytes: another rank's state would load)")
+    add_topology_flag(discover, "tp_size", nargs="+", default=None, help=several_help("tp_size"))
     discover.add_argument("--steps", type=int, metavar="K", help=f"save steps observed per TP size (default {DEFAULT_STEPS})")
     discover.add_argument("--out", type=Path, help="directory the reports go to (default ./discovery)")
+    discover.add_argument("--check-warm", action="store_true",
+                          help="with --model: a second engine loads what the first stored and must produce the same tokens")
     discover.add_argument("reports", nargs="*", metavar="REPORT", help="discovery reports (--propose, --check)")
     discover.add_argument("--output", "-o", type=Path, help="file the proposed policy goes to (default: stdout)")
     discover.add_argument("--name", type=_policy_name, help="the proposed policy's name (default discovered)")
@@ -73,7 +78,7 @@ def add_discover_parser(commands: argparse._SubParsersAction) -> None:  # type: 
 
 def run_discover(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
-    observing = ("--steps", args.steps), ("--out", args.out)
+    observing = ("--steps", args.steps), ("--out", args.out), ("--check-warm", args.check_warm or None)
     proposing = ("--output", args.output), ("--name", args.name)
     if args.propose or args.check:
         if not args.reports:
@@ -87,6 +92,12 @@ def run_discover(args: argparse.Namespace) -> int:
             parser.error(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not go with "
                          f"{'--check' if args.check else '--propose'}")
         return _propose(args) if args.propose else _check(args)
+    if args.model is not None:
+        from kvpolicy.app.discover_model import run_discover_model
+
+        return run_discover_model(args)
+    if args.check_warm:
+        parser.error("--check-warm goes with --model")
     if args.archetype is None and args.layout is None:
         parser.error("give --archetype or --layout (to observe), --propose or --check (with REPORT files)")
     if args.reports:
@@ -116,8 +127,45 @@ def _observe(args: argparse.Namespace) -> int:
 
 
 def _run_observe(args: argparse.Namespace) -> int:
-    # The layout is judged before torch, vLLM and Mooncake are imported (seconds): a wrong path is refused at once.
+    """Observe offline, one report per TP size. Everything that can be judged without the simulation
+    is judged first, before torch, vLLM and Mooncake are imported (seconds) and a master started: the
+    layout file; every spec class the simulation holds bytes for (vLLM's own: a plugin's class is
+    refused at its line, naming the engine route); the layout planned at each TP size, as ``kvpolicy
+    plan`` plans it (an expression that fails there is located in the layout's file). Exit 3 when a
+    group of some report has no evidence (no block compared), as ``discover --check`` does."""
+    from kvpolicy.catalog import SPEC_CLASSES
+    from kvpolicy.engine import make_plan
+    from kvpolicy.loader import read_text, resolve_layout_path
+    from kvpolicy.models import Topology
+    from kvpolicy.yamlsource import parse
+
     layout = load_layout(args.layout) if args.layout is not None else None
+    if layout is not None:
+        unknown = [
+            (index, position, member.spec.type)
+            for index, group in enumerate(layout.groups)
+            for position, member in enumerate(group.members)
+            if member.spec.type not in SPEC_CLASSES
+        ]
+        if unknown:
+            path = str(resolve_layout_path(args.layout))
+            source = parse(read_text(path), path)[1]
+            raise DocumentError([
+                source.diagnostic(
+                    ("groups", index, "spec", "type") if layout.groups[index].uniform is None
+                    else ("groups", index, "uniform", position, "spec", "type"),
+                    f"{spec_type} is not a spec class of vLLM 0.32 (vllm.v1.kv_cache_interface): the simulation holds "
+                    "the bytes of vLLM's own classes only, and would have to guess what each rank holds of this one; "
+                    "observe it on an engine instead: serve the model with the connector's kvpolicy_discover setting "
+                    "(kv_connector_extra_config {\"kvpolicy_discover\": \"report.yaml\"}), then "
+                    "kvpolicy discover --propose the reports",
+                    code="KVP404",
+                )
+                for index, position, spec_type in unknown
+            ])
+        no_dedup = load_policy("no-dedup")  # what the simulated instances run
+        for tp_size in args.tp:
+            make_plan(no_dedup, layout, Topology(tp_size=tp_size))  # PlanError: located, as `kvpolicy plan` prints it
     from kvpolicy.mooncake import MooncakeMaster
     from kvpolicy.mooncake.native_log import native_stderr_to
     from kvpolicy.mooncake.pool import ClientPool
@@ -138,25 +186,25 @@ def _run_observe(args: argparse.Namespace) -> int:
         return 1
     native_log = Path(tempfile.gettempdir()) / f"kvpolicy-discover-{os.getpid()}.log"
     tokens = (2 * args.steps + 2) * BLOCK_SIZE
+    unobserved = False
     with native_stderr_to(native_log), MooncakeMaster() as master, ClientPool(master) as clients:
         for tp_size in args.tp:
             path = args.out / f"{stem}-tp{tp_size}.yaml"
             report = run_discovery(archetype, tp_size, path, master=master, clients=clients, steps=args.steps,
                                    num_tokens=tokens)
-            _summary(report, path)
-    return 0
+            unobserved = not _summary(report, path) or unobserved
+    return 3 if unobserved else 0
 
 
-def _summary(report: DiscoveryReport, path: Path) -> None:
-    topology = report.topology
-    print(f"{printable_path(str(path))}: {report.model} at tp {topology.tp_size}, {report.steps} steps observed")
-    for group, observed in zip(report.layout.groups, report.groups, strict=True):
-        types = ", ".join(dict.fromkeys(member.spec.type for member in group.members))
-        partition = [list(members) for members in observed.partition] or "nothing compared"
-        factor = head_factor_of(observed.partition, topology) if observed.partition else None
-        said = f"factor {factor}" if factor is not None else "no factor expresses it"
-        print(f"  group {observed.index} {observed.name or '-'} ({types}): equal bytes in {partition} ({said}); "
-              f"{observed.evidence.blocks} blocks compared, {observed.evidence.zero_blocks} all-zero")
+def _summary(report: DiscoveryReport, path: Path) -> bool:
+    """Print each group's observation (:func:`kvpolicy.propose.observation_summary`); whether every
+    layer had evidence."""
+    from kvpolicy.propose import observation_summary
+
+    lines, every = observation_summary(report, printable_path(str(path)))
+    for line in lines:
+        print(line)
+    return every
 
 
 def _propose(args: argparse.Namespace) -> int:
@@ -187,6 +235,20 @@ def _propose(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    """Compare the plan of POLICY with each REPORT's observation. The first line is the verdict; exit
+    codes, the worst found:
+
+    - 0: the policy plans every observed group and layer as observed;
+    - 1: it departs only harmlessly (it keeps apart ranks that held the same bytes, and writes them
+      more than once), or it cannot plan a report, or an input is invalid (errors located);
+    - 3: NO EVIDENCE: some layer compared no (or too few) blocks, so it cannot be judged (nothing
+      dangerous was found elsewhere); an observation that proves nothing is not a pass;
+    - 4: DANGEROUS: it puts ranks observed holding different bytes in one replica set (it treats as
+      replicated state that is sharded): a warm hit would load another rank's state.
+
+    (2 stays argparse's: the command line is wrong.)"""
+    from kvpolicy.propose import check_policy
+
     loaded, problems = load_reports(args.reports)
     try:
         policy = load_policy(args.check)
@@ -197,15 +259,7 @@ def _check(args: argparse.Namespace) -> int:
         for problem in problems:
             print(problem)
         return 1
-    differ = False
-    for item in loaded:
-        found = policy_disagreements(policy, item.report)
-        label = f"{printable_path(item.path)}: policy {policy.name} vs {item.report.model} at tp {item.report.topology.tp_size}"
-        if found:
-            differ = True
-            print(f"{label}: {len(found)} difference{'s' if len(found) != 1 else ''}")
-            for line in found:
-                print(f"  {line}")
-        else:
-            print(f"{label}: agrees with every observed group and layer")
-    return 1 if differ else 0
+    lines, code = check_policy(policy, loaded)
+    for line in lines:
+        print(line)
+    return code

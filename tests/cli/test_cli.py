@@ -229,7 +229,19 @@ def test_plan_under_dcp_writes_mla_once_per_dcp_rank(capsys: pytest.CaptureFixtu
                        "--format", "json")
     (group,) = json.loads(out)["groups"]
     assert code == 0 and (group["factor"], group["shards"]) == (4, 2)
-    assert sorted({tuple(rank["replica_set"]) for rank in group["ranks"]}) == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert sorted({tuple(group["replica_sets"][rank["replica_set"]]) for rank in group["ranks"]}) == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert all(rank["tp_rank"] in group["replica_sets"][rank["replica_set"]] for rank in group["ranks"])
+
+
+def test_plan_json_grows_linearly_with_tp_for_a_group_replicated_over_every_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    sizes = {}
+    for tp in (1024, 2048):
+        code, out, _ = run(capsys, "plan", "--policy", "default", "--layout", "deepseek-v3", "--tp", str(tp), "--format", "json")
+        assert code == 0
+        (group,) = json.loads(out)["groups"]
+        assert group["replica_sets"] == [list(range(tp))] and {rank["replica_set"] for rank in group["ranks"]} == {0}
+        sizes[tp] = len(out)
+    assert sizes[2048] < 2.2 * sizes[1024]  # tp² would be 4x
 
 
 def test_plan_with_store_tp_shows_each_ranks_store_shards(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,19 +8,32 @@ and read back through the same loader ``kvpolicy discover --propose`` uses.
 from __future__ import annotations
 
 import json
+import tracemalloc
+from collections.abc import Sequence
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpolicy.app.cli import main
 from kvpolicy.discovery import Observer, dump_report, group_layers, meet, partition_of, runs
-from kvpolicy.engine import make_plan
+from kvpolicy.engine import PLANS, make_plan, rank_replica_sets, replica_partition
 from kvpolicy.diagnostics import CHECKS_BY_CODE
 from kvpolicy.loader import check_text, load_layout, load_policy, schemas_dir
-from kvpolicy.models import Layout, Topology
-from kvpolicy.propose import MIN_BLOCKS, MIN_DISTINCT, disagreements, load_reports, propose
+from kvpolicy.matcher import layers_matching
+from kvpolicy.models import Layout, Match, Rule, Topology
+from kvpolicy.propose import (
+    MIN_BLOCKS,
+    MIN_DISTINCT,
+    differences,
+    disagreements,
+    escape_glob,
+    load_reports,
+    propose,
+)
 
 
 def _truth(layout: Layout, layer: str, spec_classes: tuple[str, ...], tp: int) -> int:
@@ -319,12 +332,12 @@ def test_discover_propose_refusing_writes_nothing_and_exits_1(tmp_path: Path, ca
     assert len(printed) == 1 and printed[0].endswith("[KVP401]") and printed[0].startswith(str(tmp_path))
 
 
-def test_discover_check_exits_1_when_a_policy_departs_from_the_observation(tmp_path: Path, capsys) -> None:
+def test_discover_check_exits_4_when_a_policy_replicates_what_was_observed_sharded(tmp_path: Path, capsys) -> None:
     layout = load_layout("nemotron-h-8b")
     path = _write(tmp_path, "r.yaml", layout, 2)
     assert main(["discover", "--check", "default", str(path)]) == 0
     wrong = Path(__file__).resolve().parents[2] / "examples" / "policies" / "wrong-recurrent-replicated.yaml"
-    assert main(["discover", "--check", str(wrong), str(path)]) == 1
+    assert main(["discover", "--check", str(wrong), str(path)]) == 4
     assert "planned head factor 2, observed 1" in capsys.readouterr().out
 
 
@@ -353,7 +366,7 @@ def test_check_names_a_layer_observed_in_classes_no_factor_expresses(tmp_path: P
     text = _write(tmp_path, "r.yaml", layout, 4).read_text().replace("[[0], [1], [2], [3]]", "[[0, 2], [1, 3]]")
     path = tmp_path / "strided.yaml"
     path.write_text(text)
-    assert main(["discover", "--check", "default", str(path)]) == 1
+    assert main(["discover", "--check", "default", str(path)]) == 1  # sharding what is alike is harmless
     assert "which no factor expresses" in capsys.readouterr().out
 
 
@@ -382,3 +395,275 @@ def test_a_proposal_from_simulated_observations_says_so_in_its_header(tmp_path: 
     assert simulated is not None and observed is not None
     assert "# Some observations come from the simulation" in simulated.text
     assert "simulation" not in observed.text
+
+
+# --- a proposal's self-check ----------------------------------------------------------------------
+
+GLOB_NAMES = """
+version: 1
+kind: ModelLayout
+model: glob-names
+total_num_kv_heads: 1
+groups:
+  - spec: {type: FullAttentionSpec, bases: [AttentionSpec, KVCacheSpec], block_size: 16, page_size_bytes: 4096}
+    layers: ["a*", ab, "[x]", x, "q?", qq, "[!y]", z]
+"""
+
+
+def test_layer_names_holding_glob_characters_get_rules_matching_each_name_alone(tmp_path: Path) -> None:
+    """``match.layers`` holds globs: a rule for the layer ``a*`` written verbatim would take ``ab`` too."""
+    layout, problems = check_text(GLOB_NAMES, "layout.yaml")
+    assert isinstance(layout, Layout), problems
+    odd = {"a*", "[x]", "q?", "[!y]"}
+    path = _write(tmp_path, "r.yaml", layout, 2, factor_of=lambda layer, spec: 2 if layer in odd else 1)
+    proposal, refusals = _propose(path)
+    assert proposal is not None, refusals
+    assert disagreements(proposal.policy, load_reports([str(path)])[0][0].report) == []
+
+
+@settings(deadline=None)
+@given(st.text(alphabet="ab*?[]!-^\\\\\n", max_size=6), st.text(alphabet="ab*?[]!-^\\\\\n", max_size=6))
+def test_an_escaped_layer_name_matches_that_name_and_no_other(name: str, other: str) -> None:
+    rule = Rule(name="r", reason="r", match=Match(layers=(escape_glob(name),)), replication="sharded")
+    assert layers_matching(rule, [other]) == ([other] if other == name else [])
+
+
+CLASS_CYCLE = """
+version: 1
+kind: ModelLayout
+model: {model}
+total_num_kv_heads: 1
+groups:
+  - spec: {{type: {type}, bases: [{base}, KVCacheSpec], block_size: 16, page_size_bytes: 4096}}
+    layers: [layers.0.state]
+"""
+
+
+def test_reports_whose_class_hierarchies_contradict_get_a_located_refusal_not_an_exception(tmp_path: Path) -> None:
+    """One report says FooSpec derives from BarSpec, the other BarSpec from FooSpec: BarSpec's rule,
+    written first, then matches FooSpec's layers too, and the proposal cannot reproduce the first
+    report. The self-check refuses it where the observation stands."""
+    paths = []
+    for name, base, factor in (("FooSpec", "BarSpec", 2), ("BarSpec", "FooSpec", 1)):
+        layout, problems = check_text(CLASS_CYCLE.format(model=name.lower(), type=name, base=base), "layout.yaml")
+        assert isinstance(layout, Layout), problems
+        paths.append(_write(tmp_path, f"{name}.yaml", layout, 2, factor_of=lambda layer, spec, f=factor: f))
+    proposal, refusals = _propose(*paths)
+    assert proposal is None and [refusal.code for refusal in refusals] == ["KVP402"]
+    assert refusals[0].path == str(paths[0]) and "do not reproduce this observation" in refusals[0].message
+    assert paths[0].read_text().splitlines()[refusals[0].line - 1].strip().startswith("partition:")
+
+
+def test_a_proposal_that_does_not_read_back_is_a_located_refusal_not_an_exception(tmp_path: Path, monkeypatch) -> None:
+    import kvpolicy.propose as proposing
+
+    path = _write(tmp_path, "r.yaml", load_layout("llama-3.1-70b"), 2)
+    monkeypatch.setattr(proposing, "_render", lambda rules, loaded, name: "version: 1\nkind: ReplicationPolicy\n")
+    proposal, refusals = _propose(path)
+    assert proposal is None and len(refusals) == 1
+    assert refusals[0].path == str(path) and "does not read back" in refusals[0].message
+
+
+# --- what validate refuses: what --propose and --check would -------------------------------------
+
+
+def _edited(tmp_path: Path, name: str, old: str, new: str, *, layout: str = "llama-3.1-70b", tp: int = 2,
+            count: int = 1) -> Path:
+    text = _write(tmp_path, f"source-{name}", load_layout(layout), tp).read_text()
+    assert old in text
+    path = tmp_path / name
+    path.write_text(text.replace(old, new, count))
+    return path
+
+
+def test_a_report_at_a_topology_no_plan_is_made_at_is_refused_at_its_topology(tmp_path: Path) -> None:
+    path = _edited(tmp_path, "r.yaml", "  pp_size: 1\n  pcp_size: 1\n", "  pp_size: 4096\n  pcp_size: 4096\n")
+    document, problems = check_text(path.read_text(), str(path))
+    assert document is None and [problem.code for problem in problems] == ["KVP104"]
+    assert path.read_text().splitlines()[problems[0].line - 1].strip() == "tp_size: 2"
+    assert "pp 4096, pcp 4096" in problems[0].message and "1,000,000" in problems[0].message
+
+
+def test_a_report_at_sizes_vllm_refuses_together_is_refused_at_its_topology(tmp_path: Path) -> None:
+    """Decode-context parallelism on 8 GQA KV heads needs more than 8 TP ranks."""
+    path = _edited(tmp_path, "r.yaml", "  dcp_size: 1\n", "  dcp_size: 2\n")
+    document, problems = check_text(path.read_text(), str(path))
+    assert document is None and [problem.code for problem in problems] == ["KVP104"]
+    assert "vLLM refuses dcp_size 2" in problems[0].message
+
+
+def test_a_partition_with_an_empty_class_is_refused_where_it_stands(tmp_path: Path) -> None:
+    path = _edited(tmp_path, "r.yaml", "        partition: [[0], [1]]", "        partition: [[], [0], [1]]")
+    document, problems = check_text(path.read_text(), str(path))
+    assert document is None and [problem.code for problem in problems] == ["KVP104"]
+    assert "has an empty class" in problems[0].message
+    assert path.read_text().splitlines()[problems[0].line - 1].strip() == "partition: [[], [0], [1]]"
+
+
+def test_more_distinct_contents_than_compared_blocks_is_refused(tmp_path: Path) -> None:
+    path = _edited(tmp_path, "r.yaml", "          distinct_blocks: 8\n", "          distinct_blocks: 9\n")
+    document, problems = check_text(path.read_text(), str(path))
+    assert document is None and [problem.code for problem in problems] == ["KVP104"]
+    assert "9 distinct contents among 8 compared blocks" in problems[0].message
+
+
+def test_a_report_whose_layout_does_not_evaluate_at_its_topology_is_refused_at_the_expression(tmp_path: Path) -> None:
+    path = _edited(tmp_path, "r.yaml", "head_size: 128", "head_size: {expr: '128 // (tp_size - 2)'}")
+    document, problems = check_text(path.read_text(), str(path))
+    assert document is None and [problem.code for problem in problems] == ["KVP104"]
+    assert "does not evaluate at the report's own topology, tp 2" in problems[0].message
+    assert "128 // (tp_size - 2)" in path.read_text().splitlines()[problems[0].line - 1]
+
+
+def test_a_report_listing_a_class_out_of_order_is_read_as_its_partition(tmp_path: Path) -> None:
+    path = _edited(tmp_path, "r.yaml", "partition: [[0], [1]]", "partition: [[1], [0]]", count=-1)
+    loaded, problems = load_reports([str(path)])
+    assert problems == []
+    assert disagreements(load_policy("default"), loaded[0].report) == []
+
+
+# --- what a plan can express -----------------------------------------------------------------------
+
+
+def _report_of(layout: Layout, topology: Topology, classes: Sequence[Sequence[int]], tmp_path: Path) -> Path:
+    """A report of ``layout`` in which every layer's ranks held equal bytes in ``classes``."""
+    where = {rank: index for index, members in enumerate(classes) for rank in members}
+    observer = Observer(topology.tp_size, group_layers(layout))
+    for step in range(2):
+        observer.observe([
+            {index: {layer: [(f"{layer}/{step}/{block}/{where[rank]}", False) for block in range(4)] for layer in layers}
+             for index, layers in enumerate(group_layers(layout))}
+            for rank in range(topology.tp_size)
+        ])
+    path = tmp_path / "r.yaml"
+    path.write_text(dump_report(observer.report(model=layout.model, source="engine", topology=topology, layout=layout)))
+    return path
+
+
+def test_replica_sets_of_runs_split_by_dcp_rank_into_unequal_sizes_are_refused_as_inexpressible(tmp_path: Path) -> None:
+    """At TP 6 under DCP 2, runs of 3 ranks split into sets of 2 and 1, which the engine refuses to
+    plan: such an observation gets KVP402, not a rule the plan would refuse."""
+    layout = load_layout("deepseek-v3")
+    topology = Topology(tp_size=6, dcp_size=2)
+    proposal, refusals = _propose(_report_of(layout, topology, replica_partition(3, topology), tmp_path))
+    assert proposal is None and {refusal.code for refusal in refusals} == {"KVP402"}
+
+
+MIXED_HEADS = """
+version: 1
+kind: ModelLayout
+model: mixed-heads
+total_num_kv_heads: 3
+layer_kv_heads:
+  - {total_num_kv_heads: 2, layers: [layers.1.attn]}
+groups:
+  - spec: {type: FullAttentionSpec, bases: [AttentionSpec, KVCacheSpec], block_size: 16, page_size_bytes: 4096}
+    layers: [layers.0.attn, layers.1.attn]
+"""
+
+
+def test_a_group_whose_layers_repeat_over_2_and_3_ranks_is_held_to_the_plan_of_their_gcd(tmp_path: Path) -> None:
+    """At TP 6 the group's observed partition, the meet of runs of 2 and of 3, is no factor's; a plan
+    of the observed layer factors gives the group runs of their gcd, which no policy can improve on."""
+    layout, problems = check_text(MIXED_HEADS, "layout.yaml")
+    assert isinstance(layout, Layout), problems
+    paths = [_write(tmp_path, f"{tp}.yaml", layout, tp) for tp in (6, 12)]
+    assert load_reports([str(paths[0])])[0][0].report.groups[0].partition == ((0, 1), (2,), (3,), (4, 5))
+    proposal, refusals = _propose(*paths)
+    assert proposal is not None, refusals
+    assert differences(proposal.policy, load_reports([str(paths[0])])[0][0].report) == []
+
+
+def replica_set(tp_rank: int, head_factor: int, topology: Topology) -> tuple[int, ...]:
+    """A rank's replica set as defined: of its run of ``head_factor`` ranks, those of its dcp rank."""
+    start = tp_rank - tp_rank % head_factor
+    return tuple(rank for rank in range(start, start + head_factor) if topology.dcp_rank(rank) == topology.dcp_rank(tp_rank))
+
+
+def test_replica_sets_are_what_each_rank_is_defined_to_hold() -> None:
+    for tp in range(1, 13):
+        for pcp, dcp in {(1, 1), *((1, d) for d in range(2, tp + 1) if tp % d == 0), (2, 2), (2, 2 * tp)}:
+            topology = Topology(tp_size=tp, pcp_size=pcp, dcp_size=dcp)
+            for factor in (f for f in range(1, tp + 1) if tp % f == 0):
+                defined = tuple(replica_set(rank, factor, topology) for rank in range(tp))
+                assert rank_replica_sets(factor, topology) == defined, (topology, factor)
+                assert replica_partition(factor, topology) == tuple(sorted(set(defined))), (topology, factor)
+
+
+def _counting_dcp_ranks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts every rank's dcp rank asked: the unit of work of replica sets."""
+    calls = [0]
+    original = Topology.dcp_rank
+
+    def counted(self: Topology, tp_rank: int, pcp_rank: int = 0) -> int:
+        calls[0] += 1
+        return original(self, tp_rank, pcp_rank)
+
+    monkeypatch.setattr(Topology, "dcp_rank", counted)
+    return calls
+
+
+REPLICATED_GROUP = """
+version: 1
+kind: ModelLayout
+model: mla
+total_num_kv_heads: 1
+groups:
+  - spec: {type: MLAAttentionSpec, bases: [FullAttentionSpec, AttentionSpec, KVCacheSpec], block_size: 64, page_size_bytes: 36864}
+    layers: [layers.0.attn, layers.1.attn]
+"""
+
+
+def test_planning_a_group_replicated_over_tp_4096_asks_each_ranks_dcp_rank_about_once(monkeypatch) -> None:
+    """Replica sets rank by rank cost tp x factor: 16.8 million dcp ranks (6-19 s, 657 MB) at TP 4096."""
+    layout, _ = check_text(REPLICATED_GROUP, "layout.yaml")
+    calls = _counting_dcp_ranks(monkeypatch)
+    PLANS.clear()
+    plan = make_plan(load_policy("default"), layout, Topology(tp_size=4096))
+    assert plan.groups[0].factor == 4096
+    assert calls[0] <= 2 * 4096
+
+
+def test_planning_a_group_replicated_over_tp_4096_takes_memory_linear_in_tp() -> None:
+    layout, _ = check_text(REPLICATED_GROUP, "layout.yaml")
+    PLANS.clear()
+    tracemalloc.start()
+    try:
+        make_plan(load_policy("default"), layout, Topology(tp_size=4096))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 1024 * 1024  # a set of 4096 ranks per rank would be 134 MB of references alone
+
+
+def test_checking_a_group_replicated_over_tp_4096_asks_each_ranks_dcp_rank_a_bounded_number_of_times(
+    tmp_path: Path, monkeypatch
+) -> None:
+    layout, _ = check_text(REPLICATED_GROUP, "layout.yaml")
+    topology = Topology(tp_size=4096)
+    report = load_reports([str(_report_of(layout, topology, [range(4096)], tmp_path))])[0][0].report
+    PLANS.clear()
+    calls = _counting_dcp_ranks(monkeypatch)
+    assert differences(load_policy("default"), report) == []
+    assert calls[0] <= 64 * 4096  # the factors of 4096 (13) tried once each, and the plan's
+
+
+def test_the_simulation_header_says_a_class_vllm_does_not_ship_is_refused_not_simulated(tmp_path: Path) -> None:
+    """``kvpolicy discover --layout`` refuses such a class (KVP404); the header says so, and no longer
+    that the simulation holds it as attention."""
+    layout = load_layout("qwen3-next-80b-a3b")
+    path = _write(tmp_path, "r.yaml", layout, 2)
+    path.write_text(path.read_text().replace("source: engine", "source: simulation", 1))
+    proposal, _ = _propose(path)
+    assert proposal is not None
+    header = " ".join(line.lstrip("# ") for line in proposal.text.splitlines() if line.startswith("#"))
+    assert "refuses a class vLLM does not ship" in header and "is simulated as attention" not in header
+
+
+def test_a_difference_at_tp_4096_names_its_partitions_in_a_bounded_line(tmp_path: Path) -> None:
+    layout, _ = check_text(REPLICATED_GROUP, "layout.yaml")
+    path = _report_of(layout, Topology(tp_size=4096), [[rank] for rank in range(4096)], tmp_path)
+    found = differences(load_policy("default"), load_reports([str(path)])[0][0].report)
+    assert {difference.kind for difference in found} == {"dangerous"}
+    assert all(len(difference.message) < 1000 for difference in found)
+    assert "(4096 classes of 4096 ranks)" in found[-1].message
