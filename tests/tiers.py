@@ -89,6 +89,9 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "cli/test_command_line.py::test_the_archetype_names_are_the_simulations": "contract",
     "cli/test_command_line.py::test_wrong_names_paths_and_values_are_refused_before_torch_or_vllm_is_imported": "contract",
     "cli/test_diagnostic_formats.py": "pure",
+    "cli/test_quiet_commands.py": "sim",
+    "cli/test_discover.py": ("pure", "contract"),
+    "cli/test_discover.py::test_layout_refusals_come_before_torch_vllm_or_mooncake_is_imported": "contract",
     "cli/test_diff.py": "pure",
     "cli/test_topology_flags.py": "pure",
     "cli/test_elf.py": "contract",
@@ -127,6 +130,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     f"{C}/test_vllm_version.py": "contract",
     f"{C}/test_vllm_internals.py": ("contract", "engine"),
     f"{C}/test_vllm_internals.py::test_vllm_0_33_has_kvpolicys_surface": "engine",
+    "zoo/test_shrink.py": "contract",
     "faults/test_policy_read_once.py": "contract",
     # --- simulated instances on a real master -----------------------------------------------------
     f"{C}/test_audit_harness.py": "sim",
@@ -151,6 +155,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "e2e/test_layer_kv_heads_engine.py": "engine",
     "e2e/test_openai_server.py": "engine",
     "e2e/test_vllm_engine.py": "engine",
+    "e2e/test_zoo_engine.py": "engine",
     "fleet/test_hosts.py": "engine",
     "fleet/test_netns.py": "engine",
 }

@@ -119,10 +119,10 @@ def run_discover(args: argparse.Namespace) -> int:
 
 
 def _observe(args: argparse.Namespace) -> int:
-    from kvpolicy.app.environment import environment
+    from kvpolicy.app.quiet import libraries_logging_to
 
-    # vLLM logs to stdout; keep the summary readable, and leave the caller's environment as it was.
-    with environment(VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")):
+    # The summary is on stdout; what vLLM, torch and Mooncake log goes to a log file.
+    with libraries_logging_to(Path(tempfile.gettempdir()) / f"kvpolicy-discover-{os.getpid()}.log"):
         return _run_observe(args)
 
 
@@ -167,7 +167,6 @@ def _run_observe(args: argparse.Namespace) -> int:
         for tp_size in args.tp:
             make_plan(no_dedup, layout, Topology(tp_size=tp_size))  # PlanError: located, as `kvpolicy plan` prints it
     from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.mooncake.native_log import native_stderr_to
     from kvpolicy.mooncake.pool import ClientPool
     from kvpolicy.sim import archetype_from_layout, get_archetype
     from kvpolicy.sim.archetypes import BLOCK_SIZE
@@ -184,10 +183,9 @@ def _run_observe(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"error: cannot create '{printable_path(str(args.out))}': {error.strerror or error}")
         return 1
-    native_log = Path(tempfile.gettempdir()) / f"kvpolicy-discover-{os.getpid()}.log"
     tokens = (2 * args.steps + 2) * BLOCK_SIZE
     unobserved = False
-    with native_stderr_to(native_log), MooncakeMaster() as master, ClientPool(master) as clients:
+    with MooncakeMaster() as master, ClientPool(master) as clients:
         for tp_size in args.tp:
             path = args.out / f"{stem}-tp{tp_size}.yaml"
             report = run_discovery(archetype, tp_size, path, master=master, clients=clients, steps=args.steps,
