@@ -51,6 +51,9 @@ TARGETS: dict[str, tuple[float, st.SearchStrategy[Any], Callable[[Any], None]]] 
     "cli-flags": (0.5, fs.plan_argvs(), fs.cli_contract),
     "command-line-edges": (0.5, fs.command_line_edges(), fs.cli_contract),
     "several-sizes": (0.2, st.lists(st.integers(1, 16), min_size=1, max_size=4), fs.several_sizes_contract),
+    "doctor-config-files": (0.2, st.sampled_from(fs.SPECIAL_FILES), lambda kind: fs.doctor_config_contract(kind, SCRATCH.parent)),
+    "side-file-settings": (0.5, fs.side_file_settings(), fs.side_file_settings_contract),
+    "discovery-reports": (0.5, fs.discovery_reports(), lambda text: fs.discovery_report_contract(text, SCRATCH)),
     "alias-amplified-documents": (0.5, fs.alias_amplified_documents(), fs.memory_contract),
     "tagged-documents": (1, fs.tagged_documents(), fs.check_contract),
     "odd-paths": (

@@ -145,79 +145,13 @@ def test_free_form_values_the_reader_could_not_give_back_are_refused_by_the_mode
 
 # --- discovery reports: what validate accepts, --propose and --check judge by its evidence only ------
 
-REPORT = """\
-version: 1
-kind: DiscoveryReport
-model: m
-source: engine
-topology: {{tp_size: {tp}, pp_size: {pp}, pcp_size: {pcp}, dcp_size: {dcp}}}
-steps: 2
-groups:
-  - index: 0
-    partition: {group_partition}
-    evidence: {{steps: 2, blocks: {blocks}, zero_blocks: 0, distinct_blocks: {distinct}}}
-    layers:
-      - name: layers.0.attn
-        partition: {partition}
-        evidence: {{steps: 2, blocks: {blocks}, zero_blocks: 0, distinct_blocks: {distinct}}}
-layout:
-  version: 1
-  kind: ModelLayout
-  model: m
-  total_num_kv_heads: {heads}
-  groups:
-    - spec: {{type: {spec}, bases: [{bases}], block_size: 16, page_size_bytes: 65536,
-              fields: {{head_size: {head_size}, max_tp_shards: null}}}}
-      layers: [layers.0.attn]
-"""
-SPECS = {"FullAttentionSpec": "AttentionSpec, KVCacheSpec", "MLAAttentionSpec": "FullAttentionSpec, AttentionSpec, KVCacheSpec",
-         "MambaSpec": "KVCacheSpec"}
-EVIDENCE_CODES = {"KVP401", "KVP402", "KVP403"}
-"""What --propose may refuse a report validate accepts for: what was observed, not what the report is."""
-
-
-@st.composite
-def discovery_reports(draw: Any) -> str:
-    tp = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
-    pcp = draw(st.sampled_from([1, 1, 2, 4096]))
-    dcp = draw(st.sampled_from(sorted({1, tp, *(d for d in range(2, tp + 1) if tp % d == 0), pcp, tp * pcp})))
-    classes = draw(st.lists(st.lists(st.integers(0, tp), max_size=tp), min_size=1, max_size=tp + 1))
-    partition = json.dumps(draw(st.one_of(st.just(classes), st.just([list(range(tp))]), st.just([[r] for r in range(tp)]))))
-    spec = draw(st.sampled_from(sorted(SPECS)))
-    return REPORT.format(
-        tp=tp, pp=draw(st.sampled_from([1, 2, 4096])), pcp=pcp, dcp=dcp, partition=partition,
-        group_partition=draw(st.sampled_from([partition, "[[0]]", "[]"])),
-        blocks=draw(st.sampled_from([0, 3, 8])), distinct=draw(st.sampled_from([0, 1, 8, 9])),
-        heads=draw(st.sampled_from([1, 2, 8])), spec=spec, bases=SPECS[spec],
-        head_size=draw(st.sampled_from(["128", "{expr: '128 // (tp_size - 2)'}", "{expr: '64 * tp_size'}"])),
-    )
-
-
-def judged_alike(text: str, path: Path) -> None:
-    """A report validate accepts is read by --propose and --check; their refusals are of its evidence."""
-    from kvpolicy.loader import load_policy
-    from kvpolicy.propose import check_policy, load_reports, propose
-
-    path.write_text(text, encoding="utf-8")
-    document, problems = check_text(text, str(path))
-    loaded, refused = load_reports([str(path)])
-    assert (document is None) == bool(refused) == bool(loaded == []), (problems, refused)
-    if document is None:
-        return
-    proposal, refusals = propose(loaded)
-    assert {refusal.code for refusal in refusals} <= EVIDENCE_CODES, refusals
-    assert not any("do not reproduce" in refusal.message for refusal in refusals), refusals
-    lines, code = check_policy(load_policy("default"), loaded)
-    assert code in (0, 1, 3, 4) and not any("[KVP" in line for line in lines), lines
-
-
 @PROPERTY
-@given(discovery_reports())
+@given(fs.discovery_reports())
 def test_a_report_validate_accepts_is_refused_by_propose_and_check_only_for_its_evidence(text: str) -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as directory:
-        judged_alike(text, Path(directory) / "report.yaml")
+        fs.discovery_report_contract(text, Path(directory) / "report.yaml")
 
 
 @pytest.mark.parametrize(
@@ -230,11 +164,12 @@ def test_a_report_validate_accepts_is_refused_by_propose_and_check_only_for_its_
     ],
 )
 def test_what_propose_or_check_would_refuse_of_a_report_validate_refuses_first(what: str, old: str, new: str, tmp_path: Path) -> None:
-    text = REPORT.format(tp=2, pp=1, pcp=1, dcp=1, partition="[[0], [1]]", group_partition="[[0], [1]]", blocks=8,
-                         distinct=8, heads=8, spec="FullAttentionSpec", bases=SPECS["FullAttentionSpec"], head_size=128)
-    judged_alike(text, tmp_path / "valid.yaml")
+    text = fs.REPORT.format(tp=2, pp=1, pcp=1, dcp=1, partition="[[0], [1]]", group_partition="[[0], [1]]", blocks=8,
+                            distinct=8, heads=8, spec="FullAttentionSpec", bases=fs.SPECS["FullAttentionSpec"],
+                            head_size=128, layer="layers.0.attn")
+    fs.discovery_report_contract(text, tmp_path / "valid.yaml")
     assert old in text
     edited = text.replace(old, new)
     document, problems = check_text(edited, "report.yaml")
     assert document is None and {problem.code for problem in problems} == {"KVP104"}, (what, problems)
-    judged_alike(edited, tmp_path / "report.yaml")
+    fs.discovery_report_contract(edited, tmp_path / "report.yaml")

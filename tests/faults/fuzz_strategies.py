@@ -885,6 +885,18 @@ def special_file_contract(kind: str, output: str, directory: Path) -> None:
     judge_validate(code, out.getvalue(), err.getvalue(), output, path)
 
 
+def doctor_config_contract(kind: str, directory: Path) -> None:
+    """``kvpolicy doctor``'s MOONCAKE_CONFIG_PATH check on a special path: a failed check with a
+    one-line reason within the time limit (never a hang on a FIFO, never reading /dev/zero whole)."""
+    from kvpolicy.app.doctor import check_mooncake_config
+
+    path = special_file(kind, directory)
+    with time_limit(CHECK_SECONDS, f"doctor {kind}"):
+        result, address = check_mooncake_config({"MOONCAKE_CONFIG_PATH": str(path)}, use_vllm=False)
+    assert result.status == "fail" and address is None, (kind, result)
+    assert "\n" not in result.message and len(result.message) < 2000, result.message
+
+
 FLAG_VALUES = st.one_of(
     st.integers(-3, 20).map(str),
     st.sampled_from(["0", "4096", "4097", "99999999999999999999", "1e3", "", "x", "-0", "8 "]),
@@ -956,6 +968,108 @@ def several_sizes_contract(sizes: list[int]) -> None:
                     ["keys", "--policy", "default", "--layout", "deepseek-v3", "--format", "json"],
                     ["diff", "default", "no-dedup", "--layout", "deepseek-v3", "--format", "json"]):
         assert cli_contract([*command, *spaced]) == cli_contract([*command, *repeated]), (command, sizes)
+
+
+# --- discovery reports: what validate accepts, --propose and --check judge by its evidence only ------
+
+REPORT = """\
+version: 1
+kind: DiscoveryReport
+model: m
+source: engine
+topology: {{tp_size: {tp}, pp_size: {pp}, pcp_size: {pcp}, dcp_size: {dcp}}}
+steps: 2
+groups:
+  - index: 0
+    partition: {group_partition}
+    evidence: {{steps: 2, blocks: {blocks}, zero_blocks: 0, distinct_blocks: {distinct}}}
+    layers:
+      - name: '{layer}'
+        partition: {partition}
+        evidence: {{steps: 2, blocks: {blocks}, zero_blocks: 0, distinct_blocks: {distinct}}}
+layout:
+  version: 1
+  kind: ModelLayout
+  model: m
+  total_num_kv_heads: {heads}
+  groups:
+    - spec: {{type: {spec}, bases: [{bases}], block_size: 16, page_size_bytes: 65536,
+              fields: {{head_size: {head_size}, max_tp_shards: null}}}}
+      layers: ['{layer}']
+"""
+SPECS = {"FullAttentionSpec": "AttentionSpec, KVCacheSpec", "MLAAttentionSpec": "FullAttentionSpec, AttentionSpec, KVCacheSpec",
+         "MambaSpec": "KVCacheSpec"}
+EVIDENCE_CODES = {"KVP401", "KVP402", "KVP403"}
+"""What --propose may refuse a report validate accepts for: what was observed, not what the report is."""
+
+
+@st.composite
+def discovery_reports(draw: Any) -> str:
+    tp = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
+    pcp = draw(st.sampled_from([1, 1, 2, 4096]))
+    dcp = draw(st.sampled_from(sorted({1, tp, *(d for d in range(2, tp + 1) if tp % d == 0), pcp, tp * pcp})))
+    classes = draw(st.lists(st.lists(st.integers(0, tp), max_size=tp), min_size=1, max_size=tp + 1))
+    partition = json.dumps(draw(st.one_of(st.just(classes), st.just([list(range(tp))]), st.just([[r] for r in range(tp)]))))
+    spec = draw(st.sampled_from(sorted(SPECS)))
+    return REPORT.format(
+        tp=tp, pp=draw(st.sampled_from([1, 2, 4096])), pcp=pcp, dcp=dcp, partition=partition,
+        group_partition=draw(st.sampled_from([partition, "[[0]]", "[]"])),
+        blocks=draw(st.sampled_from([0, 3, 8])), distinct=draw(st.sampled_from([0, 1, 8, 9])),
+        heads=draw(st.sampled_from([1, 2, 8])), spec=spec, bases=SPECS[spec],
+        head_size=draw(st.sampled_from(["128", "{expr: '128 // (tp_size - 2)'}", "{expr: '64 * tp_size'}"])),
+        layer=draw(st.sampled_from(["layers.0.attn", "a*", "a[b]", "x?", "[!a]", "layers.*.attn"])),
+    )
+
+
+def discovery_report_contract(text: str, path: Path) -> None:
+    """A report validate accepts is read by --propose and --check; their refusals are of its evidence."""
+    from kvpolicy.loader import check_text, load_policy
+    from kvpolicy.propose import check_policy, load_reports, propose
+
+    path.write_text(text, encoding="utf-8")
+    document, problems = check_text(text, str(path))
+    loaded, refused = load_reports([str(path)])
+    assert (document is None) == bool(refused) == bool(loaded == []), (problems, refused)
+    if document is None:
+        return
+    proposal, refusals = propose(loaded)
+    assert {refusal.code for refusal in refusals} <= EVIDENCE_CODES, refusals
+    assert not any("do not reproduce" in refusal.message for refusal in refusals), refusals
+    lines, code = check_policy(load_policy("default"), loaded)
+    assert code in (0, 1, 3, 4) and not any("[KVP" in line for line in lines), lines
+
+
+SIDE_FILE_KEYS = ("kvpolicy_plan_json", "kvpolicy_keys_json", "kvpolicy_dynamo_json", "kvpolicy_layout_out", "kvpolicy_discover")
+
+
+@st.composite
+def side_file_settings(draw: Any) -> dict[str, Any]:
+    """``kv_connector_extra_config`` with side-file paths of every odd kind: NULs, directories, devices,
+    FIFOs' and sockets' places, missing and file parents, control characters, undecodable bytes, very
+    long names, non-strings, and several settings naming one file."""
+    special = st.sampled_from(["", ".", "..", "/", "/dev/null", "/dev/zero", "/proc/self/status", "/tmp", "/tmp/",
+                               "a\x00b.json", "/nonexistent/dir/x.json", "/etc/passwd/x.json", "x" * 5000, "~/x.json",
+                               "plan.json", "run/", "/tmp/kvpolicy-fuzz-side/x.json"])
+    odd = odd_file_names().map(os.fsdecode)
+    value = st.one_of(special, odd, st.integers(), st.none(), st.lists(st.text(max_size=3), max_size=2))
+    keys = draw(st.lists(st.sampled_from(SIDE_FILE_KEYS), min_size=1, max_size=3, unique=True))
+    return {"kvpolicy": "default", **{key: draw(value) for key in keys}}
+
+
+def side_file_settings_contract(extra_config: dict[str, Any]) -> None:
+    """Parsed, or refused with :class:`SettingsError` whose every line names its key; never another
+    exception, whatever the paths are and whichever rank judges them."""
+    from kvpolicy.settings import KVPolicySettings, SettingsError
+
+    for check_side_files in (False, True):
+        with time_limit(CHECK_SECONDS, "settings"):
+            try:
+                KVPolicySettings.parse(extra_config, check_side_files=check_side_files)
+            except SettingsError as error:
+                assert error.problems and all(
+                    problem.startswith("kv_connector_extra_config.") and "\n" not in problem for problem in error.problems
+                ), error.problems
+                str(error).encode("utf-8")
 
 
 def cli_contract(argv: list[str]) -> str:

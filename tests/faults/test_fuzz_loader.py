@@ -159,6 +159,16 @@ def test_repeated_unknown_and_misspelled_flags_of_every_command_exit_0_1_or_2_wi
     fs.cli_contract(argv)
 
 
+@pytest.mark.parametrize("kind", fs.SPECIAL_FILES)
+def test_doctor_refuses_every_special_mooncake_config_path_at_once(kind: str, tmp_path: Path) -> None:
+    fs.doctor_config_contract(kind, tmp_path)
+
+
+@given(fs.side_file_settings())
+def test_side_file_paths_of_every_kind_are_parsed_or_refused_naming_their_key(extra_config: dict) -> None:
+    fs.side_file_settings_contract(extra_config)
+
+
 @given(st.lists(st.integers(1, 16), min_size=1, max_size=4))
 def test_sizes_repeated_or_space_separated_plan_alike_in_every_command_taking_several(sizes: list[int]) -> None:
     fs.several_sizes_contract(sizes)
