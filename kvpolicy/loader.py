@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvpolicy import catalog
 from kvpolicy.diagnostics import CHECKS_BY_NAME, Diagnostic, DocumentError, printable_path
+from kvpolicy.discovery import DiscoveryReport
 from kvpolicy.expressions import Expression, ExpressionError
 from kvpolicy.models import (
     SPEC_VARIABLES,
@@ -32,7 +33,6 @@ from kvpolicy.models import (
     expression_variables,
     field_expressions,
 )
-from kvpolicy.discovery import DiscoveryReport
 from kvpolicy.routers import template_router_problems
 from kvpolicy.yamlsource import MAX_DOCUMENT_BYTES, Path, SourceMap, parse
 

@@ -56,12 +56,12 @@ from kvpolicy.plan import GroupPlan
 from kvpolicy.yamlsource import SourceMap, parse
 
 __all__ = [
-    "MIN_BLOCKS",
-    "MIN_DISTINCT",
     "EXIT_AGREES",
     "EXIT_DANGEROUS",
     "EXIT_DIFFERS",
     "EXIT_NO_EVIDENCE",
+    "MIN_BLOCKS",
+    "MIN_DISTINCT",
     "Difference",
     "LoadedReport",
     "Proposal",

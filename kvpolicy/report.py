@@ -13,7 +13,6 @@ from kvpolicy.models import LoadMode
 from kvpolicy.plan import GroupPlan, LayerDecision, Plan
 from kvpolicy.traffic import PromptTraffic
 
-
 DOCUMENT_VERSIONS: Mapping[str, int] = MappingProxyType(
     {
         "KeyContract": 1,

@@ -16,13 +16,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpolicy import schema
-from kvpolicy import __version__, catalog
+from kvpolicy import __version__, catalog, schema
 from kvpolicy.app.archetypes import archetype_name, archetypes_help
 from kvpolicy.app.args import CommandParser
 from kvpolicy.app.diagnostic_formats import FORMATS, FileResult, Selection, parse_codes, render
-from kvpolicy.app.rule import run_rule
 from kvpolicy.app.discover import add_discover_parser
+from kvpolicy.app.rule import run_rule
 from kvpolicy.app.topology_flags import add_topology_flag, add_topology_flags, several_help, topology_from_args
 from kvpolicy.contract import KeyContract, key_contract
 from kvpolicy.diagnostics import Diagnostic, DocumentError, PlanError, printable_path

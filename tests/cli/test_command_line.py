@@ -226,7 +226,7 @@ def run_isolated(*argv: str) -> tuple[int, str, list[str]]:
         heavy = sorted(name for name in ("torch", "vllm", "mooncake") if name in sys.modules)
         print("\\nRESULT " + json.dumps([code, heavy]))
         """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO,
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     text, _, result = done.stdout.rpartition("RESULT ")
     code, heavy = json.loads(result)
@@ -369,11 +369,11 @@ def test_bootstrap_finds_a_library_in_a_cache_listing_longer_than_a_pipe(tmp_pat
     script = (REPO / "scripts" / "bootstrap.sh").read_text()
     definition = next(line for line in script.splitlines() if line.startswith("have_library()"))
     check = f"set -euo pipefail\n{definition}\nhave_library 'libibverbs.so.1' && echo found\n"
-    done = subprocess.run(["bash", "-c", check], capture_output=True, text=True, timeout=60,
+    done = subprocess.run(["bash", "-c", check], check=False, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"})
     assert done.stdout.strip() == "found", done.stderr
     missing = subprocess.run(["bash", "-c", check.replace("libibverbs.so.1' &&", "libabsent.so.9' &&")],
-                             capture_output=True, text=True, timeout=60,
+                             check=False, capture_output=True, text=True, timeout=60,
                              env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"})
     assert missing.stdout.strip() == ""
 
@@ -395,7 +395,7 @@ def test_library_log_lines_go_to_the_log_file_and_the_commands_own_words_to_the_
             terminal.write("the command's own note\\n")
         print("after", file=sys.stderr)
         """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO,
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr
     assert done.stdout == "result line\n"

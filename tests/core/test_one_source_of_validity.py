@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
-import fuzz_strategies as fs  # noqa: E402
+import fuzz_strategies as fs
 
-from kvpolicy.loader import KINDS, check_text, schemas_dir  # noqa: E402
-from kvpolicy.yamlsource import parse  # noqa: E402
+from kvpolicy.loader import KINDS, check_text, schemas_dir
+from kvpolicy.yamlsource import parse
 
 SCHEMAS = {
     "ReplicationPolicy": json.loads((schemas_dir() / "policy.schema.json").read_text(encoding="utf-8")),

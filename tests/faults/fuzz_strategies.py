@@ -1032,7 +1032,7 @@ def discovery_report_contract(text: str, path: Path) -> None:
     assert (document is None) == bool(refused) == bool(loaded == []), (problems, refused)
     if document is None:
         return
-    proposal, refusals = propose(loaded)
+    _, refusals = propose(loaded)
     assert {refusal.code for refusal in refusals} <= EVIDENCE_CODES, refusals
     assert not any("do not reproduce" in refusal.message for refusal in refusals), refusals
     lines, code = check_policy(load_policy("default"), loaded)
