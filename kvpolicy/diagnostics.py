@@ -40,9 +40,14 @@ class Check:
     summary: str
     """What the check finds, in one sentence."""
     explanation: str
-    """Why it matters and how to fix it: what ``kvpolicy rule CODE`` and the documentation print."""
+    """What it does, in detail, and how to fix it: what ``kvpolicy rule CODE`` and the documentation print."""
     example: Example
     """A command that reports this check."""
+    why: str
+    """Why it matters: what goes wrong, and where, if the problem is not fixed."""
+    fixed: Example
+    """The example fixed ("use instead"): the same command on the corrected files (or the corrected command),
+    which reports nothing of this check; the tests run both."""
 
 
 _POLICY_HEAD = "version: 1\nkind: ReplicationPolicy\nname: my-policy\n"
@@ -50,21 +55,28 @@ _LAYOUT_HEAD = "version: 1\nkind: ModelLayout\nmodel: my-model\ntotal_num_kv_hea
 _ATTENTION_SPEC = "{type: FullAttentionSpec, bases: [AttentionSpec, KVCacheSpec], block_size: 16, page_size_bytes: 65536}"
 
 
+_CONV_SPEC = "{type: ConvStateSpec, bases: [MambaSpec, KVCacheSpec], block_size: 16, page_size_bytes: 4096}"
+"""A state class vLLM 0.32 does not ship (a plugin's), for KVP404."""
+
+
 def _report(*, tp: int = 2, partition: str = "[[0, 1]]",
-            evidence: str = "{steps: 2, blocks: 8, zero_blocks: 0, distinct_blocks: 8}") -> str:
-    """A discovery report of one 1-KV-head attention layer, as the connector writes one."""
+            evidence: str = "{steps: 2, blocks: 8, zero_blocks: 0, distinct_blocks: 8}",
+            spec: str = _ATTENTION_SPEC, layer: str = "layers.0.attn") -> str:
+    """A discovery report of one layer (a 1-KV-head attention layer unless told), as the connector writes one."""
     return (
         f"version: 1\nkind: DiscoveryReport\nmodel: my-model\nsource: engine\ntopology: {{tp_size: {tp}}}\nsteps: 2\n"
         f"groups:\n  - index: 0\n    partition: {partition}\n    evidence: {evidence}\n    layers:\n"
-        f"      - name: layers.0.attn\n        partition: {partition}\n        evidence: {evidence}\n"
+        f"      - name: {layer}\n        partition: {partition}\n        evidence: {evidence}\n"
         "layout:\n  version: 1\n  kind: ModelLayout\n  model: my-model\n  total_num_kv_heads: 1\n  groups:\n"
-        f"    - spec: {_ATTENTION_SPEC}\n      layers: [layers.0.attn]\n"
+        f"    - spec: {spec}\n      layers: [{layer}]\n"
     )
 
 
 _GROUP_IN_NAMESPACE = UPSTREAM_KEY_TEMPLATE.replace("{store_namespace}", "@g{group}@plan:{fingerprint}")
 """The upstream key template with the group also in the namespace (KVP205's example), spelled from
 :mod:`kvpolicy.keys`, the one module that spells key fields."""
+_PLAN_IN_NAMESPACE = UPSTREAM_KEY_TEMPLATE.replace("{store_namespace}", "{store_namespace}@plan:{fingerprint}")
+"""KVP205's example fixed: the plan in the namespace, the group where routers read it (``default``'s template)."""
 
 
 def _validate(text: str, name: str = "policy.yaml") -> Example:
@@ -80,6 +92,12 @@ CHECKS: tuple[Check, ...] = (
         "neither a file nor a shipped policy's name is reported here too, with the closest shipped name. Fix the "
         "path, or save the file as UTF-8.",
         Example(files=(("policy.yaml", _POLICY_HEAD + "rules: []\n"),), argv=("validate", "polcy.yaml")),
+        why=(
+            "A policy that cannot be read cannot be judged, and the connector refuses to start with one: a misspelled "
+            "path in a deployment would stop the engine at start-up. Refusing special files before reading them keeps "
+            "`validate` from hanging on a FIFO or streaming a device."
+        ),
+        fixed=Example(files=(("policy.yaml", _POLICY_HEAD + "rules: []\n"),), argv=("validate", "policy.yaml")),
     ),
     Check(
         "KVP002", "yaml-syntax", "error",
@@ -90,6 +108,12 @@ CHECKS: tuple[Check, ...] = (
         "`!!python/...`, a local `!tag`) is refused where it stands, as are merge keys (`<<`), a second document "
         "after `---` and an empty file. Write the value out plainly.",
         _validate(_POLICY_HEAD + "description: !!binary aGVsbG8=\nrules: []\n"),
+        why=(
+            "A tag is an instruction to the YAML loader: `!!python/...` runs code in loaders that honour it, and "
+            "`!!binary` or a custom tag turns a value into something other than what the file shows. A policy is read "
+            "by CI, the connector and routers alike, so it must mean the same plain values to every reader."
+        ),
+        fixed=_validate(_POLICY_HEAD + "description: hello\nrules: []\n"),
     ),
     Check(
         "KVP003", "too-large", "error",
@@ -100,12 +124,23 @@ CHECKS: tuple[Check, ...] = (
         "each and 32 MiB in all, expressions of at most 1,000 characters and 32 levels of nesting, integers of at "
         "most 2**63 - 1. Split the document or write smaller values.",
         _validate(_POLICY_HEAD + "rules: []\naudit: {mode: warn, steps: 99999999999999999999}\n"),
+        why=(
+            "Policies and layouts come from anyone who can open a pull request or write a config map. Without bounds "
+            "one small file (an alias bomb, a huge range, a deep expression) could take `validate`, the connector or "
+            "CI minutes and gigabytes; with them, any file is judged in about a second."
+        ),
+        fixed=_validate(_POLICY_HEAD + "rules: []\naudit: {mode: warn, steps: 4}\n"),
     ),
     Check(
         "KVP004", "duplicate-key", "error", "A mapping repeats a key (YAML loaders silently keep one).",
         "Most YAML loaders keep the last of two equal keys without a word, so the file would not mean what one of "
         "its lines says. The message names the line of the first one; remove one of them.",
         _validate(_POLICY_HEAD + "rules: []\nname: other-name\n"),
+        why=(
+            "Two values for one key make the file say two things, and which one a reader keeps depends on the reader: "
+            "the policy reviewed in a pull request would not be the one the connector runs."
+        ),
+        fixed=_validate(_POLICY_HEAD + "rules: []\n"),
     ),
     Check(
         "KVP101", "document-kind", "error",
@@ -114,6 +149,12 @@ CHECKS: tuple[Check, ...] = (
         "beside `version: 1`. The rest is checked as the kind its content suggests, so one run reports every "
         "problem. `kvpolicy plan --policy` refuses a layout and `--layout` a policy.",
         _validate("version: 1\nname: my-policy\nrules: []\n"),
+        why=(
+            "The kind decides which fields apply and what the file does. A layout given where a policy is expected "
+            "(or the reverse) would otherwise be judged by the wrong format and fail with a flood of unrelated "
+            "errors."
+        ),
+        fixed=_validate("version: 1\nkind: ReplicationPolicy\nname: my-policy\nrules: []\n"),
     ),
     Check(
         "KVP102", "unknown-field", "error", "A field the format does not have, typos included.",
@@ -124,6 +165,14 @@ CHECKS: tuple[Check, ...] = (
             _POLICY_HEAD + "rules:\n  - name: state\n    reason: Recurrent state is split over the ranks.\n"
             "    match: {spec: MambaSpec}\n    replicaton: sharded\n"
         ),
+        why=(
+            "An ignored field is a silent change of meaning: `replicaton: sharded` dropped would leave the rule "
+            "without a replication, and a misspelled `when` would make a conditional rule apply everywhere."
+        ),
+        fixed=_validate(
+            _POLICY_HEAD + "rules:\n  - name: state\n    reason: Recurrent state is split over the ranks.\n"
+            "    match: {spec: MambaSpec}\n    replication: sharded\n"
+        ),
     ),
     Check(
         "KVP103", "missing-field", "error", "A required field is absent.",
@@ -131,6 +180,15 @@ CHECKS: tuple[Check, ...] = (
         "`total_num_kv_heads` and `groups`), a rule's `name` and `reason`. A rule must say why it holds, so that "
         "the plan and the audit's messages can quote it. Add the field.",
         _validate(_POLICY_HEAD + "rules:\n  - name: state\n    match: {spec: MambaSpec}\n    replication: sharded\n"),
+        why=(
+            "Without the field the document is incomplete. A rule without its `reason` is the rule nobody can review: "
+            "the plan, `explain` and the audit's demotion messages quote it to say why bytes are, or are not, shared "
+            "between ranks."
+        ),
+        fixed=_validate(
+            _POLICY_HEAD + "rules:\n  - name: state\n    reason: Recurrent state is split over the ranks.\n"
+            "    match: {spec: MambaSpec}\n    replication: sharded\n"
+        ),
     ),
     Check(
         "KVP104", "invalid-value", "error",
@@ -139,6 +197,12 @@ CHECKS: tuple[Check, ...] = (
         "field accepts), ranges and patterns are the format's (see the references), and some fields exclude each "
         "other (a rule has exactly one of `replication`, `factor` and `shards`). The message says what is expected.",
         _validate(_POLICY_HEAD + "rules: []\naudit: {mode: warn, steps: -1}\n"),
+        why=(
+            "A value outside its range would reach the connector as a number it cannot use (a negative step count, a "
+            "factor of zero). Refusing it at `validate` moves the failure from an engine's start-up to the pull "
+            "request."
+        ),
+        fixed=_validate(_POLICY_HEAD + "rules: []\naudit: {mode: warn, steps: 4}\n"),
     ),
     Check(
         "KVP105", "invalid-expression", "error",
@@ -152,6 +216,15 @@ CHECKS: tuple[Check, ...] = (
             _POLICY_HEAD + "rules:\n  - name: kv-heads\n    reason: Ranks past the KV-head count repeat heads.\n"
             "    match: {spec: AttentionSpec}\n    factor: max(1, tp_size // total_num_kv_head)\n"
         ),
+        why=(
+            "Expressions decide the replication factor, so an expression that fails at run time would fail the plan "
+            "on the serving host. The sandbox also means a policy can never run code: only arithmetic over the listed "
+            "variables."
+        ),
+        fixed=_validate(
+            _POLICY_HEAD + "rules:\n  - name: kv-heads\n    reason: Ranks past the KV-head count repeat heads.\n"
+            "    match: {spec: AttentionSpec}\n    factor: max(1, tp_size // total_num_kv_heads)\n"
+        ),
     ),
     Check(
         "KVP106", "duplicate-layer", "error", "A layer listed in more than one group.",
@@ -160,6 +233,15 @@ CHECKS: tuple[Check, ...] = (
         "from one group.",
         _validate(
             _LAYOUT_HEAD + f"  - spec: {_ATTENTION_SPEC}\n    layers: \"model.layers.{{0..3}}.self_attn.attn\"\n"
+            f"  - spec: {_ATTENTION_SPEC}\n    layers: \"model.layers.3.self_attn.attn\"\n",
+            "layout.yaml",
+        ),
+        why=(
+            "A layout is the model as vLLM builds it; one that lists a layer twice describes another model, and its "
+            "plan (which group a layer's bytes go to, how many objects a prompt writes) would not be the engine's."
+        ),
+        fixed=_validate(
+            _LAYOUT_HEAD + f"  - spec: {_ATTENTION_SPEC}\n    layers: \"model.layers.{{0..2}}.self_attn.attn\"\n"
             f"  - spec: {_ATTENTION_SPEC}\n    layers: \"model.layers.3.self_attn.attn\"\n",
             "layout.yaml",
         ),
@@ -173,6 +255,15 @@ CHECKS: tuple[Check, ...] = (
             _POLICY_HEAD + "rules:\n  - name: state\n    reason: Recurrent state is split over the ranks.\n"
             "    match: {spec: MambaSpc}\n    replication: sharded\n"
         ),
+        why=(
+            "A rule that matches nothing leaves the layers it was written for to a later rule or to `unmatched`. For "
+            "a state class that is the difference between writing it once and writing it on every rank, or, for a "
+            "rule meant to shard, between sharding and a broader rule replicating it."
+        ),
+        fixed=_validate(
+            _POLICY_HEAD + "rules:\n  - name: state\n    reason: Recurrent state is split over the ranks.\n"
+            "    match: {spec: MambaSpec}\n    replication: sharded\n"
+        ),
     ),
     Check(
         "KVP202", "unknown-spec-field", "warning", "A rule matches a field no known spec class has.",
@@ -181,6 +272,15 @@ CHECKS: tuple[Check, ...] = (
         _validate(
             _POLICY_HEAD + "rules:\n  - name: replicated-state\n    reason: vLLM marks this state identical on every rank.\n"
             "    match: {spec: MambaSpec, fields: {tp_replicatd: true}}\n    replication: replicated\n"
+        ),
+        why=(
+            "A field condition that can never hold makes its rule dead: here the replicated Mamba state would fall "
+            "through to the next rule and be written on every rank, and a rule meant to exclude some specs would "
+            "exclude none."
+        ),
+        fixed=_validate(
+            _POLICY_HEAD + "rules:\n  - name: replicated-state\n    reason: vLLM marks this state identical on every rank.\n"
+            "    match: {spec: MambaSpec, fields: {tp_replicated: true}}\n    replication: replicated\n"
         ),
     ),
     Check(
@@ -193,6 +293,17 @@ CHECKS: tuple[Check, ...] = (
             "  - name: mla-latent\n    reason: The MLA latent cache has no head dimension.\n"
             "    match: {spec: MLAAttentionSpec}\n    replication: replicated\n"
         ),
+        why=(
+            "The author meant the second rule to decide some layers; it never does. Here the MLA latent cache, "
+            "identical on every rank, would be sharded by the broader attention rule: written `tp_size` times, and "
+            "never the dedup the policy was written for."
+        ),
+        fixed=_validate(
+            _POLICY_HEAD + "rules:\n  - name: mla-latent\n    reason: The MLA latent cache has no head dimension.\n"
+            "    match: {spec: MLAAttentionSpec}\n    replication: replicated\n"
+            "  - name: attention\n    reason: Heads are split over the ranks.\n"
+            "    match: {spec: AttentionSpec}\n    replication: sharded\n"
+        ),
     ),
     Check(
         "KVP204", "unexpected-bases", "warning", "A spec's base classes differ from vLLM 0.32's for that class.",
@@ -201,6 +312,15 @@ CHECKS: tuple[Check, ...] = (
         "write those (a layout the connector captured has them right).",
         _validate(
             _LAYOUT_HEAD + "  - spec: {type: FullAttentionSpec, bases: [KVCacheSpec], block_size: 16, "
+            "page_size_bytes: 65536}\n    layers: \"model.layers.{0..3}.self_attn.attn\"\n",
+            "layout.yaml",
+        ),
+        why=(
+            "Plans are made from the layout, and rules match by class and bases. A layout whose bases are not vLLM's "
+            "plans a model the engine does not run: the connector would then decide differently from `kvpolicy plan`."
+        ),
+        fixed=_validate(
+            _LAYOUT_HEAD + "  - spec: {type: FullAttentionSpec, bases: [AttentionSpec, KVCacheSpec], block_size: 16, "
             "page_size_bytes: 65536}\n    layers: \"model.layers.{0..3}.self_attn.attn\"\n",
             "layout.yaml",
         ),
@@ -217,6 +337,12 @@ CHECKS: tuple[Check, ...] = (
         _validate(
             _POLICY_HEAD + f"key:\n  template: \"{_GROUP_IN_NAMESPACE}\"\nrules: []\n"
         ),
+        why=(
+            "Routers (Mooncake Conductor, Dynamo) decide where to send a request by reading store keys. Keys they "
+            "cannot read, or read wrongly, mean requests are routed away from the instance holding the prefix: no "
+            "error, just hits lost."
+        ),
+        fixed=_validate(_POLICY_HEAD + f"key:\n  template: \"{_PLAN_IN_NAMESPACE}\"\nrules: []\n"),
     ),
     Check(
         "KVP301", "plan-refused", "error",
@@ -234,6 +360,22 @@ CHECKS: tuple[Check, ...] = (
             ),),
             argv=("plan", "--policy", "policy.yaml", "--layout", "llama-3.1-70b", "--tp", "2"),
         ),
+        why=(
+            "A plan the engine cannot prove consistent could store one rank's bytes under a key another rank reads: a "
+            "warm hit would load another rank's state. The connector refuses such a plan at start-up, so refusing it "
+            "in CI first keeps a deployment from failing on its hosts."
+        ),
+        fixed=Example(
+            files=((
+                "policy.yaml",
+                (
+                    "version: 1\nkind: ReplicationPolicy\nname: mla-only\nrules:\n  - name: mla-latent\n"
+                    "    reason: The MLA latent cache has no head dimension.\n    match: {spec: MLAAttentionSpec}\n"
+                    "    replication: replicated\n"
+                ),
+            ),),
+            argv=("plan", "--policy", "policy.yaml", "--layout", "llama-3.1-70b", "--tp", "2"),
+        ),
     ),
     Check(
         "KVP401", "thin-evidence", "error",
@@ -245,6 +387,12 @@ CHECKS: tuple[Check, ...] = (
         "layer is refused.",
         Example(files=(("report.yaml", _report(evidence="{steps: 1, blocks: 2, zero_blocks: 6, distinct_blocks: 1}")),),
                 argv=("discover", "--propose", "report.yaml")),
+        why=(
+            "A rule that replicates what ranks only seemed to share makes every warm hit load another rank's state. "
+            "All-zero blocks and a single repeated content look identical on every rank whatever the model holds, so "
+            "they cannot show that a state is replicated."
+        ),
+        fixed=Example(files=(("report.yaml", _report()),), argv=("discover", "--propose", "report.yaml")),
     ),
     Check(
         "KVP402", "inexpressible-partition", "error",
@@ -256,6 +404,13 @@ CHECKS: tuple[Check, ...] = (
         "elsewhere); look at the layer before writing a rule for it by hand.",
         Example(files=(("report.yaml", _report(tp=4, partition="[[0, 2], [1, 3]]")),),
                 argv=("discover", "--propose", "report.yaml")),
+        why=(
+            "A rule can only say \"this many consecutive ranks hold the same bytes\". Writing one for a partition no "
+            "factor gives would either share bytes between ranks that differ (a warm hit loading another rank's "
+            "state) or hide what the observation says about the layer."
+        ),
+        fixed=Example(files=(("report.yaml", _report(tp=4, partition="[[0, 1], [2, 3]]")),),
+                argv=("discover", "--propose", "report.yaml")),
     ),
     Check(
         "KVP403", "contradicting-observations", "error",
@@ -265,6 +420,12 @@ CHECKS: tuple[Check, ...] = (
         "not pick one. Propose from the reports of one model version at a time, and write one policy per model "
         "where their layers disagree.",
         Example(files=(("a.yaml", _report()), ("b.yaml", _report(partition="[[0], [1]]"))),
+                argv=("discover", "--propose", "a.yaml", "b.yaml")),
+        why=(
+            "Picking one of two contradicting observations would pick the replication of one model for another: the "
+            "one with more heads would then share bytes its ranks do not hold alike."
+        ),
+        fixed=Example(files=(("a.yaml", _report()), ("b.yaml", _report())),
                 argv=("discover", "--propose", "a.yaml", "b.yaml")),
     ),
     Check(
@@ -280,6 +441,13 @@ CHECKS: tuple[Check, ...] = (
         Example(files=(("layout.yaml", _LAYOUT_HEAD + "  - spec: {type: ConvStateSpec, bases: [MambaSpec, KVCacheSpec], "
                         "block_size: 16, page_size_bytes: 4096}\n    layers: [layers.0.conv]\n"),),
                 argv=("discover", "--layout", "layout.yaml", "--tp", "2")),
+        why=(
+            "Discovery exists to replace guesses with evidence. A simulation guessing what a new class holds would "
+            "report its guess as an observation, and `--propose` would turn it into a rule deciding what real ranks "
+            "share."
+        ),
+        fixed=Example(files=(("report.yaml", _report(spec=_CONV_SPEC, layer="layers.0.conv")),),
+                argv=("discover", "--propose", "report.yaml")),
     ),
     Check(
         "KVP901", "too-many-problems", "error", "More problems than are listed for one file; fix these first.",
@@ -291,6 +459,12 @@ CHECKS: tuple[Check, ...] = (
             + "".join("     " + ", ".join(f"k{row * 20 + column}: 0" for column in range(20)) + ",\n" for row in range(5))
             + "     k100: 0}\n"
         ),
+        why=(
+            "A generated or badly broken file can hold tens of thousands of problems; printing them all would bury "
+            "the first ones, which usually cause the rest, and take unbounded time. The listed problems are the ones "
+            "to fix first."
+        ),
+        fixed=_validate(_POLICY_HEAD + "rules:\n  - {name: r, reason: x, replication: sharded}\n"),
     ),
 )
 """Every check, by code: the documentation's diagnostics reference, ``kvpolicy rule`` and the SARIF ``rules``."""

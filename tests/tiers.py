@@ -103,6 +103,10 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "docs/test_docs_site.py": ("pure", "contract", "engine"),
     "docs/test_docs_site.py::test_the_metrics_reference_names_every_series_and_operation_*": "contract",
     "docs/test_docs_site.py::test_the_site_builds_strictly_with_its_references": "engine",
+    "docs/test_rendering.py": ("pure", "engine"),
+    "docs/test_figures.py": "pure",
+    "docs/test_quickstart.py": ("pure", "engine"),
+    "docs/test_quickstart.py::test_the_quickstart_runs_*": "engine",
     # --- packaging ------------------------------------------------------------------------------
     "packaging/test_architecture.py": "pure",
     "packaging/test_tiers.py": "pure",
@@ -113,6 +117,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "device/test_gpu_check.py": ("contract", "sim"),
     "device/test_gpu_check.py::test_every_check_passes_on_cpu_tensors_with_nothing_skipped": "sim",
     "device/test_gpu_check.py::test_a_wrong_byte_read_back_fails_the_mooncake_check": "sim",
+    "device/test_device_paths.py": "contract",
     # --- the connector against vLLM's classes -----------------------------------------------------
     f"{C}/test_metric_value.py": "pure",
     f"{C}/test_audit_cache_dtypes.py": "contract",
@@ -138,6 +143,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     f"{C}/test_harness_consistency.py": "sim",
     f"{C}/test_merged_saves.py": "sim",
     f"{C}/test_minimal_lookup.py": "sim",
+    f"{C}/test_mixed_device_caches.py": "sim",
     f"{C}/test_sim_dcp.py": "sim",
     f"{C}/test_sim_discovery.py": "sim",
     f"{C}/test_sim_layer_kv_heads.py": "sim",
@@ -153,6 +159,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "e2e/test_discovery_engine.py": "engine",
     "e2e/test_hybrid_engine.py": "engine",
     "e2e/test_layer_kv_heads_engine.py": "engine",
+    "e2e/test_load_failure_engine.py": "engine",
     "e2e/test_openai_server.py": "engine",
     "e2e/test_vllm_engine.py": "engine",
     "e2e/test_zoo_engine.py": "engine",
@@ -178,6 +185,7 @@ FIXTURE_TIERS = {
     "clients": "sim",
     "e2e_master": "engine",
     "e2e_store_config": "engine",
+    "built_site": "engine",
 }
 """Fixtures that need a costlier tier than their file's default: a test using one is in that tier."""
 

@@ -512,8 +512,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvpolicy {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    validate = commands.add_parser("validate", help="check policy and layout files; print every problem")
-    validate.add_argument("paths", nargs="+", metavar="PATH")
+    validate = commands.add_parser(
+        "validate", help="check policy and layout files; print every problem",
+        description="Check policies, layouts and discovery reports without vLLM: every problem of every file at once, "
+        "each on one line with its location, what is wrong, the fix where there is one and a stable code "
+        "(kvpolicy rule CODE explains it). Exit 1 on an error, or on a warning with --warnings-as-errors.",
+    )
+    validate.add_argument("paths", nargs="+", metavar="PATH", help="policy, layout or discovery report files")
     validate.add_argument("--format", choices=FORMATS, default="text", help="text, json, github (Actions annotations) or sarif")
     validate.add_argument(
         "--select", type=parse_codes, action="append", default=(), metavar="CODES",
@@ -528,23 +533,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.set_defaults(run=_validate)
 
-    rule = commands.add_parser("rule", help="explain a diagnostic code, with an example that reports it")
+    rule = commands.add_parser(
+        "rule", help="explain a diagnostic code, with an example that reports it",
+        description="Print a diagnostic code's page: what it finds, why it matters, an example that reports it and "
+        "the example fixed, each run for real, and the page's URL; --all lists every code.",
+    )
     rule.add_argument("code", nargs="?", metavar="CODE", help="a code (KVP203) or a check's name (unreachable-rule)")
     rule.add_argument("--all", action="store_true", help="list every code instead")
     rule.set_defaults(run=run_rule)
 
-    schema_command = commands.add_parser("schema", help="print the JSON Schemas, or check/write schemas/")
+    schema_command = commands.add_parser(
+        "schema", help="print the JSON Schemas, or check/write schemas/",
+        description="Print the JSON Schemas of the policy, layout, discovery report and connector settings formats "
+        "(for editors and other validators), or check or regenerate the schemas/ directory from the code.",
+    )
     schema_command.add_argument("--check", action="store_true", help="exit 1 when schemas/ is stale")
     schema_command.add_argument("--write", action="store_true", help="regenerate schemas/")
     schema_command.add_argument("--dir", help="schema directory (default: the project's schemas/)")
     schema_command.set_defaults(run=_schema)
 
-    for name, run, summary in (
-        ("plan", _plan, "show the plan of a policy for a layout and topology"),
-        ("explain", _explain, "for each layer: which rule matched and why earlier ones did not"),
-        ("keys", _keys, "print the key contract: every store key prefix a plan reads and writes"),
+    for name, run, summary, description in (
+        ("plan", _plan, "show the plan of a policy for a layout and topology",
+         ("Plan a policy for a layout at a topology, as the connector would: per KV-cache group the rule that "
+          "matched, the replication factor, who writes, and the bytes written per token with and without dedup; "
+          "with --prompt-tokens, the store objects one prompt writes and reads.")),
+        ("explain", _explain, "for each layer: which rule matched and why earlier ones did not",
+         ("The plan, then for each group and layer the rule that matched and why each earlier rule did not: the "
+          "command to run when a layer ends up in a group or factor you did not expect.")),
+        ("keys", _keys, "print the key contract: every store key prefix a plan reads and writes",
+         ("Print the key contract of a plan: the store key prefix every rank writes and every lookup reads, per "
+          "group, as text, as JSON for routers, or as Dynamo's router descriptor.")),
     ):
-        command = commands.add_parser(name, help=summary)
+        command = commands.add_parser(name, help=summary, description=description)
         if name == "keys":
             command.add_argument(
                 "--cache-prefix", default="", metavar="PREFIX", help="kv_connector_extra_config cache_prefix"
@@ -568,7 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
         formats = ("text", "json", "dynamo") if name == "keys" else ("text", "json")
         command.add_argument(
             "--format", choices=formats, default="text",
-            help="text, json (the key contract) or dynamo (Dynamo's router descriptor)" if name == "keys" else None,
+            help="text, json (the key contract) or dynamo (Dynamo's router descriptor)" if name == "keys"
+            else "text (a table) or json (the plan, every group and rank)",
         )
         command.set_defaults(run=run)
         if name == "keys":
@@ -581,38 +602,61 @@ def build_parser() -> argparse.ArgumentParser:
         )
         command.add_argument("--explain", action="store_true", default=name == "explain", help=argparse.SUPPRESS)
 
-    diff = commands.add_parser("diff", help="what a policy edit changes, per layout and TP size; exit 1 on any change")
+    diff = commands.add_parser(
+        "diff", help="what a policy edit changes, per layout and TP size; exit 1 on any change",
+        description="Plan two policies on the same layouts and TP sizes and print what changes: factors, "
+        "namespaces, bytes written per token, and whether instances of the new policy still read what the old one "
+        "stored. Exit 1 on any change, so CI can gate a policy edit on review.",
+    )
     diff.add_argument("old", metavar="OLD", help="the policy before the edit (a shipped name or a path)")
     diff.add_argument("new", metavar="NEW", help="the policy after the edit")
     diff.add_argument("--layout", nargs="+", help="layouts' names or paths (repeatable; default: every example)")
     add_topology_flag(diff, "tp_size", nargs="+", default=[1, 2, 4, 8], help=several_help("tp_size", [1, 2, 4, 8]))
     add_topology_flag(diff, "pp_size")
-    diff.add_argument("--format", choices=("text", "json"), default="text")
+    diff.add_argument("--format", choices=("text", "json"), default="text", help="text or json (every change)")
     diff.set_defaults(run=_diff)
 
-    vllm_config = commands.add_parser("vllm-config", help="print the --kv-transfer-config JSON for a policy")
-    vllm_config.add_argument("--policy", required=True)
-    vllm_config.add_argument("--role", choices=("kv_both", "kv_producer", "kv_consumer"), default="kv_both")
+    vllm_config = commands.add_parser(
+        "vllm-config", help="print the --kv-transfer-config JSON for a policy",
+        description="Validate a policy and print the --kv-transfer-config value that runs it with vllm serve, "
+        "on one line, with kvpolicy's connector and vLLM's recompute-on-load-failure.",
+    )
+    vllm_config.add_argument("--policy", required=True, help="a shipped policy's name or a path")
+    vllm_config.add_argument(
+        "--role", choices=("kv_both", "kv_producer", "kv_consumer"), default="kv_both",
+        help="vLLM's kv_role: kv_both stores and loads; kv_producer only stores (a prefill instance), "
+        "kv_consumer only loads (a decode instance)",
+    )
     vllm_config.add_argument("--strict", action="store_true", help="make specs no rule matches an error")
     vllm_config.set_defaults(run=_vllm_config)
 
     doctor = commands.add_parser(
         "doctor",
         help="check vLLM, torch, Mooncake, MOONCAKE_CONFIG_PATH and a policy; one line each (exit 1 if wrong)",
+        description="Check a serving host: the vLLM release, torch and its CUDA, the Mooncake build and the system "
+        "libraries its native modules need, MOONCAKE_CONFIG_PATH and the master it names, and a policy; one line "
+        "each, with the fix for what is wrong. Exit 1 if anything is.",
     )
     doctor.add_argument("--policy", help="also validate this policy and print its --kv-transfer-config")
     doctor.add_argument(
         "--timeout", type=_seconds, default=2.0, metavar="SECONDS",
         help="how long the master gets to answer (default 2)",
     )
-    doctor.add_argument("--format", choices=("text", "json"), default="text")
+    doctor.add_argument("--format", choices=("text", "json"), default="text", help="text or json (the whole report)")
     doctor.set_defaults(run=_doctor)
 
-    list_command = commands.add_parser("list", help="list the shipped policies")
+    list_command = commands.add_parser(
+        "list", help="list the shipped policies",
+        description="List the policies shipped with kvpolicy, each with its description; any command taking a "
+        "policy takes one of these names or a path.",
+    )
     list_command.set_defaults(run=_list)
 
     audit = commands.add_parser(
-        "audit", help="check a policy's replicated groups on simulated ranks through real Mooncake (exit 1 if wrong)"
+        "audit", help="check a policy's replicated groups on simulated ranks through real Mooncake (exit 1 if wrong)",
+        description="Run the replication audit offline: simulated TP ranks holding the bytes the model holds save "
+        "and load a prompt through an embedded Mooncake master under the policy; every group the policy replicates "
+        "is compared across its replica sets and every rank's loaded bytes checked. Needs vLLM and Mooncake.",
     )
     audit.add_argument("--policy", required=True, help="a shipped policy's name or a path")
     target = audit.add_mutually_exclusive_group(required=True)
@@ -620,12 +664,17 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--layout", help="an example layout's name or a path")
     add_topology_flag(audit, "tp_size", required=True)
     audit.add_argument("--tokens", type=_positive, default=256, metavar="N", help="prompt length (default 256)")
-    audit.add_argument("--format", choices=("text", "json"), default="text")
+    audit.add_argument("--format", choices=("text", "json"), default="text", help="text or json (per group)")
     audit.set_defaults(run=_audit)
 
     add_discover_parser(commands)
 
-    demo = commands.add_parser("demo", help="embedded Mooncake master, multi-rank simulation, vLLM cold/warm run")
+    demo = commands.add_parser(
+        "demo", help="embedded Mooncake master, multi-rank simulation, vLLM cold/warm run",
+        description="The main job: validate the shipped policies, plan a hybrid model, save and reload it through "
+        "an embedded Mooncake master with simulated ranks under correct and wrong policies, then serve a tiny "
+        "hybrid cold and warm on vLLM (about 2 minutes on 2 cores). Needs vLLM and Mooncake.",
+    )
     add_topology_flag(demo, "tp_size", default=4, help="TP size of the simulated hybrid instance")
     demo.add_argument("--no-engine", action="store_true", help="skip the vLLM engine run")
     demo.set_defaults(run=_demo)

@@ -36,8 +36,21 @@ from kvpolicy.discovery import DiscoveryReport
 from kvpolicy.models import Layout, Policy
 from kvpolicy.settings import KVPolicySettings
 
-MARKER = re.compile(r"<!-- kvpolicy-reference: ([a-z-]+) -->")
-"""Where a page wants a generated reference."""
+MARKER = re.compile(r"<!-- kvpolicy-reference: ([a-z0-9-]+) -->")
+"""Where a page wants a generated reference. Alone, the marker is replaced while the site builds; followed by
+its end marker (:data:`END`), the text between the two is the reference as last written into the page
+(:func:`write_references`), so that the page reads whole in the repository too, and the build replaces it
+with the reference computed afresh."""
+
+END = "<!-- /kvpolicy-reference: {name} -->"
+"""The end of a reference written into its page."""
+
+SITE_URL = "https://kvpolicy.example/"
+"""Where the documentation site is published: ``site_url`` in ``mkdocs.yml`` (a test holds the two equal).
+``kvpolicy rule CODE`` prints the code's page under it."""
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+"""The documentation's source, in a checkout."""
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -95,13 +108,33 @@ def find_check(code_or_name: str) -> Check | None:
     return CHECKS_BY_CODE.get(code_or_name.upper()) or CHECKS_BY_NAME.get(code_or_name.lower())
 
 
+def diagnostic_page(check: Check) -> str:
+    """The code's page, relative to the documentation's source: ``reference/diagnostics/kvp203.md``."""
+    return f"reference/diagnostics/{check.code.lower()}.md"
+
+
+def diagnostic_url(check: Check) -> str:
+    """The code's page on the published site (:data:`SITE_URL`, directory URLs as MkDocs writes them)."""
+    return f"{SITE_URL}{diagnostic_page(check).removesuffix('.md')}/"
+
+
+def _example_text(title: str, example: Example) -> list[str]:
+    run = run_example(example)
+    lines = [title, ""]
+    for name, text in example.files:
+        lines += [f"  {name}:", *(f"    {line}" for line in text.splitlines()), ""]
+    return [*lines, f"$ {run.command}", shown_output(run.output), ""]
+
+
 def rule_text(check: Check) -> str:
-    """``kvpolicy rule CODE``: the check's summary, explanation and example with what it prints."""
-    run = run_example(check.example)
-    lines = [f"{check.code} {check.name} ({check.severity})", "", check.summary, "", check.explanation, ""]
-    for name, text in check.example.files:
-        lines += [f"Example, {name}:", *(f"    {line}" for line in text.splitlines()), ""]
-    lines += [f"$ {run.command}", shown_output(run.output)]
+    """``kvpolicy rule CODE``: what the code's page shows (what it finds, what it does, why it matters, an
+    example that reports it and the example fixed, each run for real), then the page's URL."""
+    lines = [
+        f"{check.code} {check.name} ({check.severity})", "", check.summary, "",
+        "What it does", "", check.explanation, "", "Why it matters", "", check.why, "",
+        *_example_text("Example", check.example), *_example_text("Use instead", check.fixed),
+        f"Documentation: {diagnostic_url(check)}",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -112,30 +145,51 @@ def rule_list() -> str:
 
 
 def diagnostics_markdown() -> str:
-    """A table of every check, then each one's explanation and example with its real output."""
-    out = [
+    """The table of every check, each code linking to its own page (:func:`diagnostic_markdown`)."""
+    return "\n".join([
         "| code | name | severity | what it finds |",
         "|---|---|---|---|",
         *(
-            f"| [`{check.code}`](#{check.code.lower()}) | `{check.name}` | {check.severity} | {_cell(check.summary)} |"
+            f"| [`{check.code}`](diagnostics/{check.code.lower()}.md) | `{check.name}` | {check.severity} | {_cell(check.summary)} |"
             for check in CHECKS
         ),
         "",
-    ]
-    for check in CHECKS:
-        run = run_example(check.example)
-        out += [
-            f"### {check.code} `{check.name}` {{#{check.code.lower()}}}",
-            "",
-            f"**{check.severity}**: {check.summary}",
-            "",
-            check.explanation,
-            "",
-        ]
-        for name, text in check.example.files:
-            out += [f'```yaml title="{name}"', text.rstrip("\n"), "```", ""]
-        out += ["```console", f"$ {run.command}", shown_output(run.output), "```", ""]
-    return "\n".join(out)
+    ])
+
+
+def _example_markdown(example: Example) -> list[str]:
+    run = run_example(example)
+    out: list[str] = []
+    for name, text in example.files:
+        out += [f'```yaml title="{name}"', text.rstrip("\n"), "```", ""]
+    return [*out, "```console", f"$ {run.command}", shown_output(run.output), "```", ""]
+
+
+def diagnostic_markdown(check: Check) -> str:
+    """One code's page, in the shape of ruff's rule pages: what it finds and does, why it matters, an
+    example that reports it and the example fixed, each with what ``kvpolicy`` printed for it."""
+    return "\n".join([
+        f"# {check.code} `{check.name}`",
+        "",
+        f"**{check.severity}** · [every code](../diagnostics.md) · `kvpolicy rule {check.code}` prints this page",
+        "",
+        check.summary,
+        "",
+        "## What it does",
+        "",
+        check.explanation,
+        "",
+        "## Why it matters",
+        "",
+        check.why,
+        "",
+        "## Example",
+        "",
+        *_example_markdown(check.example),
+        "## Use instead",
+        "",
+        *_example_markdown(check.fixed),
+    ])
 
 
 # --- document formats ---------------------------------------------------------------------------------
@@ -196,30 +250,47 @@ def _default(name: str, node: Mapping[str, Any], required: set[str]) -> str:
     return f"`{json.dumps(node['default'])}`"
 
 
-def _model_section(title: str, node: Mapping[str, Any], level: str) -> list[str]:
-    out = [f"{level} {title} {{#{title.lower()}}}", ""]
+def field_entry(name: str, kind: str, default: str, constraints: str, meaning: str) -> list[str]:
+    """One field as a definition: its name, type and default on the first line (where a name cannot break),
+    then its meaning and constraints. A table of five columns squeezed names into a third of a column."""
+    head = " · ".join(part for part in (f"`{name}`", kind, "**required**" if default == "required" else
+                                         (f"default {default}" if default else "")) if part)
+    out = [head, f":   {_cell(meaning) or '(no description)'}"]
+    if constraints:
+        out += ["", f"    *Constraints: {_cell(constraints)}.*"]
+    return [*out, ""]
+
+
+def _model_section(title: str, node: Mapping[str, Any], level: str, anchor_prefix: str = "") -> list[str]:
+    out = [f"{level} {title} {{#{anchor_prefix}{title.lower()}}}", ""]
     if node.get("description"):
         out += [_markdown_text(" ".join(node["description"].split())), ""]
     if "enum" in node:
         out += ["One of: " + ", ".join(f"`{value}`" for value in node["enum"]) + ".", ""]
         return out
     properties = node.get("properties", {})
-    if not properties:
-        return out
     required = set(node.get("required", ()))
-    out += ["| field | type | default | constraints | meaning |", "|---|---|---|---|---|"]
     for name, field in properties.items():
-        out.append(
-            f"| `{name}` | {_type(field)} | {_default(name, field, required)} | {_cell(_constraints(field))} "
-            f"| {_cell(field.get('description', ''))} |"
-        )
-    return [*out, ""]
+        kind = _type(field).replace("](#", f"](#{anchor_prefix}") if anchor_prefix else _type(field)
+        out += field_entry(name, kind, _default(name, field, required), _constraints(field), field.get("description", ""))
+    return out
 
 
-def format_markdown(model: type[BaseModel]) -> str:
-    """Every field of ``model`` and of the models and enumerations it uses, from its JSON Schema."""
+EXAMPLES = {"policy": "policies/default.yaml", "layout": "examples/layouts/deepseek-v3.yaml",
+            "discovery": "examples/discovery/my-model-tp2.yaml"}
+"""Per format, a whole valid document from the checkout, shown at the top of its reference."""
+
+
+def format_markdown(model: type[BaseModel], example: str | None = None) -> str:
+    """A whole example document (``example``, a path relative to the checkout), then every field of
+    ``model`` and of the models and enumerations it uses, from its JSON Schema."""
     document = schema.json_schema(model)
-    out = _model_section(document["title"], document, "##")
+    out: list[str] = []
+    if example is not None:
+        text = (DOCS.parent / example).read_text(encoding="utf-8")
+        out += ["## A whole document {#example}", "", f"`{example}`, valid as it stands (`kvpolicy validate {example}`):",
+                "", f'```yaml title="{Path(example).name}"', text.rstrip("\n"), "```", ""]
+    out += _model_section(document["title"], document, "##")
     for name, node in document.get("$defs", {}).items():
         out += _model_section(name, node, "###")
     return "\n".join(out)
@@ -228,7 +299,7 @@ def format_markdown(model: type[BaseModel]) -> str:
 # --- the command line ---------------------------------------------------------------------------------
 
 
-def _subcommands(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, argparse.ArgumentParser]]:
+def subcommands(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, argparse.ArgumentParser]]:
     for action in parser._actions:  # argparse has no public accessor for its subcommands
         if isinstance(action, argparse._SubParsersAction):
             helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
@@ -242,7 +313,35 @@ def _usage(command: argparse.ArgumentParser) -> str:
     return formatter.format_help().strip()
 
 
-def _argument_row(action: argparse.Action) -> str:
+_DEFAULT_IN_HELP = (
+    re.compile(r"\s*\(default:? ([^()]*(?:\([^()]*\)[^()]*)*)\)"),  # "... (default 4)", "(default: stdout)"
+    re.compile(r";\s*default:? (.*)$"),  # "...; default: the layout's kv_cache_layout, else ..."
+    re.compile(r"\s*\(([^();]*); default:? ([^()]*)\)"),  # "(repeatable; default: every example)"
+)
+
+
+def split_default(help_text: str) -> tuple[str, str | None]:
+    """``help_text`` without the default it states in prose, and that default (``None`` if it states none):
+    the reference shows defaults in their own column, ``--help`` in the prose."""
+    found = _DEFAULT_IN_HELP[2].search(help_text)
+    if found:
+        return help_text[: found.start()] + f" ({found.group(1)})" + help_text[found.end():], found.group(2).strip()
+    for pattern in _DEFAULT_IN_HELP[:2]:
+        found = pattern.search(help_text)
+        if found:
+            return (help_text[: found.start()] + help_text[found.end():]).strip(), found.group(1).strip()
+    return help_text, None
+
+
+def _shown_default(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(_shown_default, value))
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def argument_row(action: argparse.Action) -> str:
     if action.option_strings:
         names = ", ".join(f"`{option}`" for option in action.option_strings)
         if action.nargs != 0:
@@ -252,12 +351,40 @@ def _argument_row(action: argparse.Action) -> str:
     else:
         names = f"`{action.metavar or action.dest}`"
     values = ", ".join(f"`{choice}`" for choice in action.choices) if action.choices else ""
+    help_text, said = split_default("" if action.help in (None, argparse.SUPPRESS) else str(action.help))
     default = action.default
-    shown = "" if default in (None, False, (), argparse.SUPPRESS) or action.required else f"`{default}`"
-    if action.required and action.option_strings:
+    shown = "" if default in (None, False, (), "", argparse.SUPPRESS) or action.required else f"`{_shown_default(default)}`"
+    if said is not None and not shown:
+        shown = _cell(said)
+    if (action.required and action.option_strings) or (not action.option_strings and action.nargs in ("+", None)):
         shown = "required"
-    help_text = "" if action.help in (None, argparse.SUPPRESS) else str(action.help)
     return f"| {names} | {values} | {shown} | {_cell(help_text)} |"
+
+
+def _command_example_markdown(example: Any) -> list[str]:
+    """One of :data:`kvpolicy.app.cli_examples.COMMAND_EXAMPLES`: run from the checkout's root, its output shown."""
+    out = [example.what, ""]
+    if example.exit_code is None:
+        return [*out, "```bash", f"{example.command}    # needs vLLM and Mooncake: not run while this page was built",
+                "```", ""]
+    run = run_command_example(example.command)
+    shown = shown_output(run.output)
+    return [*out, "```console", f"$ {example.command}", *([shown] if shown else []), "```", ""]
+
+
+def run_command_example(command: str) -> ExampleRun:
+    """Run ``kvpolicy ARGS`` in-process from the checkout's root (paths in examples are relative to it)."""
+    import shlex
+
+    from kvpolicy.app.cli import main
+
+    captured = io.StringIO()
+    with contextlib.chdir(DOCS.parent), contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+        try:
+            code = main(shlex.split(command)[1:])
+        except SystemExit as exit_:
+            code = int(exit_.code or 0)
+    return ExampleRun(command, code, captured.getvalue())
 
 
 def cli_markdown(parser: argparse.ArgumentParser | None = None) -> str:
@@ -267,19 +394,24 @@ def cli_markdown(parser: argparse.ArgumentParser | None = None) -> str:
 
         parser = build_parser()
     out = ["| command | what it does |", "|---|---|"]
-    commands = list(_subcommands(parser))
+    commands = list(subcommands(parser))
     out += [f"| [`kvpolicy {name}`](#kvpolicy-{name}) | {_cell(summary)} |" for name, summary, _ in commands]
     out.append("")
+    from kvpolicy.app.cli_examples import COMMAND_EXAMPLES
+
     for name, summary, command in commands:
-        out += [f"### kvpolicy {name} {{#kvpolicy-{name}}}", "", _markdown_text(summary[:1].upper() + summary[1:]) + ".", ""]
+        description = command.description or summary[:1].upper() + summary[1:] + "."
+        out += [f"### kvpolicy {name} {{#kvpolicy-{name}}}", "", _markdown_text(description), ""]
         out += ["```text", _usage(command), "```", ""]
         rows = [
-            _argument_row(action)
+            argument_row(action)
             for action in command._actions
             if not isinstance(action, argparse._HelpAction) and action.help != argparse.SUPPRESS
         ]
         if rows:
             out += ["| argument | values | default | meaning |", "|---|---|---|---|", *rows, ""]
+        for example in COMMAND_EXAMPLES.get(name, ()):
+            out += _command_example_markdown(example)
     return "\n".join(out)
 
 
@@ -292,7 +424,7 @@ def parser_arguments(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
             if not isinstance(action, argparse._HelpAction) and action.help != argparse.SUPPRESS
             for option in (action.option_strings or [action.metavar or action.dest])
         ]
-        for name, _, command in _subcommands(parser)
+        for name, _, command in subcommands(parser)
     }
 
 
@@ -300,23 +432,18 @@ def parser_arguments(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
 
 
 def settings_markdown() -> str:
-    """A row per key of ``kv_connector_extra_config`` that the connector reads, from its model."""
+    """An entry per key of ``kv_connector_extra_config`` that the connector reads, from its model."""
     document = schema.json_schema(KVPolicySettings)
     required = {"kvpolicy"}  # the connector needs it; the model allows it unset for standalone workers
-    out = ["| key | type | default | constraints | meaning |", "|---|---|---|---|---|"]
+    out: list[str] = []
     for name, field in document["properties"].items():
         default = "required" if name in required else (
             "unset" if field.get("default", None) is None else f"`{json.dumps(field['default'])}`"
         )
-        out.append(
-            f"| `{name}` | {_type(field).replace('](#', '](#settings-')} | {default} | {_cell(_constraints(field))} "
-            f"| {_cell(field.get('description', ''))} |"
-        )
-    out.append("")
+        out += field_entry(name, _type(field).replace("](#", "](#settings-"), default, _constraints(field),
+                           field.get("description", ""))
     for name, node in document.get("$defs", {}).items():
-        section = _model_section(name, node, "###")
-        section[0] = f"### {name} {{#settings-{name.lower()}}}"
-        out += section
+        out += _model_section(name, node, "###", anchor_prefix="settings-")
     return "\n".join(out)
 
 
@@ -417,25 +544,97 @@ def metrics_markdown() -> str:
 
 
 GENERATORS: dict[str, Callable[[], str]] = {
-    "policy-format": lambda: format_markdown(Policy),
-    "layout-format": lambda: format_markdown(Layout),
-    "discovery-format": lambda: format_markdown(DiscoveryReport),
+    "policy-format": lambda: format_markdown(Policy, EXAMPLES["policy"]),
+    "layout-format": lambda: format_markdown(Layout, EXAMPLES["layout"]),
+    "discovery-format": lambda: format_markdown(DiscoveryReport, EXAMPLES["discovery"]),
     "diagnostics": diagnostics_markdown,
+    **{f"diagnostic-{check.code.lower()}": (lambda check=check: diagnostic_markdown(check)) for check in CHECKS},
     "cli": cli_markdown,
     "settings": settings_markdown,
     "metrics": metrics_markdown,
+    "model-coverage": lambda: _coverage_markdown(),
 }
 """Marker name -> the Markdown that replaces it."""
 
 
-def expand(markdown: str) -> str:
-    """``markdown`` with each reference marker replaced by its generated text; an unknown marker is a
-    ``ValueError`` (the build fails rather than publish a page missing its reference)."""
+def _coverage_markdown() -> str:
+    from kvpolicy.app.coverage import coverage_markdown
 
-    def replace(found: re.Match[str]) -> str:
+    return coverage_markdown()
+
+
+def _generate(name: str) -> str:
+    if name not in GENERATORS:
+        raise ValueError(f"unknown kvpolicy reference '{name}'; known: {', '.join(GENERATORS)}")
+    return GENERATORS[name]().rstrip("\n") + "\n"
+
+
+def _regions(markdown: str) -> Iterator[tuple[int, int, str, bool]]:
+    """(start, end, name, written) of each marker: ``written`` when its end marker follows, the span then
+    running to the end marker's end."""
+    position = 0
+    while (found := MARKER.search(markdown, position)) is not None:
         name = found.group(1)
-        if name not in GENERATORS:
-            raise ValueError(f"unknown kvpolicy reference '{name}'; known: {', '.join(GENERATORS)}")
-        return GENERATORS[name]()
+        end = markdown.find(END.format(name=name), found.end())
+        if end >= 0 and not MARKER.search(markdown, found.end(), end):
+            stop = end + len(END.format(name=name))
+            yield found.start(), stop, name, True
+        else:
+            yield found.start(), found.end(), name, False
+            stop = found.end()
+        position = stop
 
-    return MARKER.sub(replace, markdown)
+
+def expand(markdown: str) -> str:
+    """``markdown`` with each reference (a marker, or a written reference between its markers) replaced
+    by its text computed afresh; an unknown marker is a ``ValueError`` (the build fails rather than
+    publish a page missing its reference)."""
+    out, position = [], 0
+    for start, stop, name, _ in _regions(markdown):
+        out += [markdown[position:start], _generate(name).rstrip("\n")]
+        position = stop
+    return "".join([*out, markdown[position:]])
+
+
+def written(markdown: str) -> str:
+    """``markdown`` with each written reference replaced by its text computed afresh, between its markers
+    (what :func:`write_references` writes); bare markers are left as they are."""
+    out, position = [], 0
+    for start, stop, name, is_written in _regions(markdown):
+        if is_written:
+            out += [markdown[position:start], f"<!-- kvpolicy-reference: {name} -->\n", _generate(name),
+                    END.format(name=name)]
+            position = stop
+    return "".join([*out, markdown[position:]])
+
+
+REFERENCE_PAGES = "reference"
+"""The folder under ``docs/`` whose pages carry their references written out (readable in the repository)."""
+
+
+def expected_reference_pages(docs: Path = DOCS) -> dict[Path, str]:
+    """Every page of :data:`REFERENCE_PAGES` as it should be committed: the pages there with their references
+    written afresh, and one page per diagnostic code (made if missing)."""
+    pages = {path: written(path.read_text(encoding="utf-8")) for path in sorted((docs / REFERENCE_PAGES).rglob("*.md"))}
+    for check in CHECKS:
+        name = f"diagnostic-{check.code.lower()}"
+        path = docs / diagnostic_page(check)
+        if path not in pages:
+            pages[path] = written(f"<!-- kvpolicy-reference: {name} -->\n{END.format(name=name)}\n")
+    return pages
+
+
+def write_references(docs: Path = DOCS) -> list[Path]:
+    """Write every reference page afresh (:func:`expected_reference_pages`); the paths that changed."""
+    changed = []
+    for path, text in expected_reference_pages(docs).items():
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            changed.append(path)
+    return changed
+
+
+if __name__ == "__main__":  # python -m kvpolicy.app.reference: write the reference pages afresh
+    for changed_path in write_references():
+        print(f"wrote {changed_path.relative_to(DOCS.parent)}")

@@ -150,7 +150,7 @@ def test_the_documentations_diagnostics_reference_lists_every_check() -> None:
     reference = diagnostics_markdown()
     assert "<!-- kvpolicy-reference: diagnostics -->" in page
     for check in CHECKS:
-        assert f"| [`{check.code}`](#{check.code.lower()}) | `{check.name}` | {check.severity} |" in reference, check.code
+        assert f"| [`{check.code}`](diagnostics/{check.code.lower()}.md) | `{check.name}` | {check.severity} |" in reference, check.code
 
 
 def test_text_lines_end_with_the_code(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,7 +24,16 @@ def test_rule_prints_the_codes_name_summary_and_explanation(capsys: pytest.Captu
 
 def test_rule_runs_the_example_and_shows_the_code_it_printed(capsys: pytest.CaptureFixture[str]) -> None:
     _, out, _ = run(capsys, "rule", "KVP102")
-    assert "$ kvpolicy validate policy.yaml\npolicy.yaml:" in out and out.rstrip().endswith("[KVP102]")
+    example = out.split("\nExample\n", 1)[1].split("\nUse instead\n", 1)[0]
+    assert "$ kvpolicy validate policy.yaml\npolicy.yaml:" in example and example.rstrip().endswith("[KVP102]")
+
+
+def test_rule_shows_why_it_matters_the_fixed_example_and_the_pages_url(capsys: pytest.CaptureFixture[str]) -> None:
+    check = next(check for check in CHECKS if check.code == "KVP102")
+    _, out, _ = run(capsys, "rule", "KVP102")
+    fixed = out.split("\nUse instead\n", 1)[1]
+    assert check.why in out and "replication: sharded" in fixed and "policy.yaml: ok, ReplicationPolicy" in fixed
+    assert "[KVP102]" not in fixed and out.rstrip().endswith("/reference/diagnostics/kvp102/")
 
 
 def test_rule_accepts_a_lowercase_code_or_a_checks_name(capsys: pytest.CaptureFixture[str]) -> None:
@@ -48,5 +57,5 @@ def test_rule_all_lists_every_code_once_in_order(capsys: pytest.CaptureFixture[s
 
 def test_a_long_example_output_is_cut_in_the_middle(capsys: pytest.CaptureFixture[str]) -> None:
     _, out, _ = run(capsys, "rule", "KVP901")
-    tail = out.split("$ kvpolicy validate policy.yaml\n", 1)[1].splitlines()
+    tail = out.split("$ kvpolicy validate policy.yaml\n", 1)[1].split("\n\nUse instead\n", 1)[0].splitlines()
     assert len(tail) == 6 and tail[3] == "..." and tail[-1].endswith("[KVP901]")
