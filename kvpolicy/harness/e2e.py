@@ -15,6 +15,7 @@ Nothing here imports vLLM or Mooncake in the calling process; only the children 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -84,6 +85,11 @@ class EngineResult:
     traffic: MasterCounters | None = None
     """What the Mooncake master counted while this engine ran (objects written, read, keys
     probed), when :func:`serve_once` was given the master's metrics URL."""
+    block_size: int = 0
+    """Tokens per KV block as the engine ran (vLLM raises a hybrid's block until a page holds a
+    recurrent state, so it may exceed the one asked for); 0 when the child did not report it."""
+    prompt_token_ids: tuple[int, ...] = ()
+    """The prompt served (the one given, or the one made from :class:`AutoPrompts`)."""
     stdout: str = field(default="", repr=False)
     stderr: str = field(default="", repr=False)
 
@@ -114,6 +120,27 @@ def fixed_prompt(length: int = 109, *, vocab_size: int = 384, seed: int = 1234) 
     """A deterministic prompt of *length* token ids in ``[3, vocab_size)`` (ids 0-2 are specials)."""
     generator = random.Random(seed)
     return [generator.randrange(3, vocab_size) for _ in range(length)]
+
+
+@dataclass(frozen=True)
+class AutoPrompts:
+    """Prompts the engine child makes once it knows its block size, for models whose block size is
+    only known after vLLM has sized a hybrid's pages.
+
+    Each of *count* prompts is ``blocks`` full blocks and one token long (:func:`fixed_prompt` with
+    seeds ``seed``, ``seed + 1``, ...), token ids in ``[3, vocab_size)``: the same block size gives the
+    same prompts, so a second engine on the same model serves the same ones. A block size at which the
+    prompts and *max_tokens* would not fit ``max_model_len`` fails the child with a message naming both.
+    """
+
+    blocks: int = 2
+    count: int = 4
+    vocab_size: int = 384
+    seed: int = 0
+
+    def make(self, block_size: int) -> list[list[int]]:
+        length = self.blocks * block_size + 1
+        return [fixed_prompt(length, vocab_size=self.vocab_size, seed=self.seed + index) for index in range(self.count)]
 
 
 def engine_store_config(client_config: Any, path: str | os.PathLike[str]) -> Path:
@@ -271,6 +298,10 @@ def serve_once(
     extra_env: Mapping[str, str] | None = None,
     fork_workers: bool = True,
     extra_prompts: Sequence[Sequence[int]] = (),
+    load_format: str | None = None,
+    skip_tokenizer_init: bool = False,
+    auto_prompts: AutoPrompts | None = None,
+    max_num_seqs: int = 4,
 ) -> EngineResult:
     """Serve *prompt_token_ids* once in a fresh vLLM engine process and return what it produced.
 
@@ -297,11 +328,19 @@ def serve_once(
     *extra_prompts* are served in the same batch as *prompt_token_ids* (their output is not
     reported): more requests saving in one step, as discovery wants.
 
+    A model written from a configuration alone (:mod:`kvpolicy.harness.zoo`) has no tokenizer and may
+    have no weights: *load_format* ``"dummy"`` has vLLM draw them, *skip_tokenizer_init* serves token
+    ids without a tokenizer (and without detokenizing), and *auto_prompts* has the child make the
+    prompts (then *prompt_token_ids* and *extra_prompts* must be empty) once the engine knows its block
+    size. The result's ``block_size`` is the engine's either way.
+
     Raises :class:`EngineFailed` (with the child's stdout and stderr, and the tail of stderr in the
     message) when the child fails, and kills its process group when it runs past *timeout* seconds.
     """
     if tp_size < 1:
         raise ValueError("tp_size must be at least 1")
+    if auto_prompts is not None and (prompt_token_ids or extra_prompts):
+        raise ValueError("auto_prompts makes the prompts: give no prompt_token_ids or extra_prompts with it")
     spec = {
         "model": os.fspath(Path(model_dir).resolve()),
         "prompt_token_ids": [int(token) for token in prompt_token_ids],
@@ -315,6 +354,10 @@ def serve_once(
         "hybrid": hybrid,
         "fork_workers": fork_workers,
         "extra_prompts": [[int(token) for token in prompt] for prompt in extra_prompts],
+        "load_format": load_format,
+        "skip_tokenizer_init": skip_tokenizer_init,
+        "auto_prompts": None if auto_prompts is None else dataclasses.asdict(auto_prompts),
+        "max_num_seqs": max_num_seqs,
     }
     env = engine_env(tp_size, mooncake_config_path)
     # The engine core runs in the child itself (also at TP>1, where the mp executor still forks
@@ -374,6 +417,8 @@ def serve_once(
         logprobs=tuple({int(token): value for token, value in step.items()} for step in data["logprobs"]),
         num_cached_tokens=int(data["num_cached_tokens"]),
         prompt_len=int(data["prompt_len"]),
+        block_size=int(data.get("block_size", 0)),
+        prompt_token_ids=tuple(int(token) for token in data.get("prompt_token_ids", ())),
         startup_s=float(data["startup_s"]),
         generate_s=float(data["generate_s"]),
         wall_s=wall,
@@ -424,10 +469,16 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["hybrid"]
         else {"enable_prefix_caching": False}
     )
+    loading: dict[str, Any] = {}
+    if spec.get("load_format"):
+        loading["load_format"] = spec["load_format"]
+    if spec.get("skip_tokenizer_init"):
+        loading["skip_tokenizer_init"] = True
     started = time.monotonic()
     llm = LLM(
         model=spec["model"],
         tokenizer=spec["model"],
+        **loading,
         tensor_parallel_size=tp_size,
         distributed_executor_backend="mp" if tp_size > 1 else None,
         dtype=spec["dtype"],
@@ -435,22 +486,34 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         **hybrid_options,
         block_size=int(spec["block_size"]),
         max_model_len=int(spec["max_model_len"]),
-        max_num_seqs=4,
+        max_num_seqs=int(spec.get("max_num_seqs", 4)),
         seed=0,
         kv_transfer_config=KVTransferConfig(**spec["kv_transfer_config"]),
     )
     startup = time.monotonic() - started
     worker_start = _worker_start_method(llm)
     try:
+        cache_config = getattr(getattr(llm.llm_engine, "vllm_config", None), "cache_config", None)
+        block_size = int(getattr(cache_config, "block_size", None) or spec["block_size"])
+        if spec.get("auto_prompts"):
+            prompts = AutoPrompts(**spec["auto_prompts"]).make(block_size)
+            limit = int(spec["max_model_len"])
+            if len(prompts[0]) + int(spec["max_tokens"]) > limit:
+                raise RuntimeError(
+                    f"the engine's block size is {block_size} tokens: prompts of {len(prompts[0])} tokens"
+                    f" and {spec['max_tokens']} generated do not fit max_model_len {limit}"
+                )
+        else:
+            prompts = [spec["prompt_token_ids"], *spec.get("extra_prompts", ())]
         params = SamplingParams(
             temperature=0.0,
             max_tokens=int(spec["max_tokens"]),
             logprobs=int(spec["logprobs"]),
             ignore_eos=True,
             seed=0,
+            **({"detokenize": False} if spec.get("skip_tokenizer_init") else {}),
         )
         started = time.monotonic()
-        prompts = [spec["prompt_token_ids"], *spec.get("extra_prompts", ())]
         outputs = llm.generate(
             [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts], params, use_tqdm=False
         )
@@ -464,7 +527,9 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
             "tokens": list(completion.token_ids),
             "logprobs": steps,
             "num_cached_tokens": int(outputs[0].num_cached_tokens or 0),
-            "prompt_len": len(spec["prompt_token_ids"]),
+            "prompt_len": len(prompts[0]),
+            "prompt_token_ids": list(prompts[0]),
+            "block_size": block_size,
             "startup_s": startup,
             "generate_s": generate,
             "saves_drained": drain_saves(llm, float(spec.get("drain_timeout", 60.0))),

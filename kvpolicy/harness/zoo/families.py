@@ -1,0 +1,163 @@
+"""Per-family fixes, where the generic rules of :mod:`~kvpolicy.harness.zoo.shrink` break a tie between
+fields that a model (in transformers or vLLM) checks, or where vLLM's CPU path needs something.
+
+Each entry names the model type, the fields it sets and why. A fix never changes a TP-deciding field
+(:data:`~kvpolicy.harness.zoo.shrink.TP_DECIDING`); it sets the widths that depend on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Fix = Iterator[tuple[str, Any, str]]
+"""``(field, value, reason)`` for each field a family sets."""
+
+MAMBA2 = "mamba2-cpu-prefill"
+"""The plugin :mod:`kvpolicy.harness.zoo.plugins` holds for Mamba2 mixers on CPU (vllm#54504)."""
+
+RECURRENT_TYPES = frozenset({
+    "mamba", "falcon_mamba", "mamba2", "jamba", "zamba2", "falcon_h1", "nemotron_h", "granitemoehybrid",
+    "lfm2", "lfm2_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text", "kimi_linear",
+    "olmo_hybrid", "minimax", "bamba",
+})
+"""Model types holding a recurrent state (Mamba, Gated DeltaNet, KDA, short conv, linear attention)."""
+
+
+def recurrent(model_type: str, config: Mapping[str, Any]) -> bool:
+    if model_type in RECURRENT_TYPES:
+        return True
+    kinds = config.get("layer_types") or config.get("layers_block_type") or ()
+    return any(isinstance(kind, str) and ("mamba" in kind or "linear" in kind or kind == "conv") for kind in kinds)
+
+
+@dataclass(frozen=True)
+class Family:
+    fix: Callable[[dict[str, Any], Mapping[str, Any]], Fix]
+    """``fix(shrunk, original)`` yields the fields to set."""
+    dtype: str | None = None
+    plugins: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def _nothing(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+    yield from ()
+
+
+def _mamba2_width(heads: str, head_dim: str, expand: str, hidden: str = "hidden_size") -> Callable[..., Fix]:
+    """Mamba2 mixers check ``heads * head_dim == expand * hidden``: the hidden size follows the kept heads
+    and the shrunk head size."""
+
+    def fix(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+        width = config[heads] * config[head_dim]
+        if width % config[expand] == 0:
+            yield hidden, width // config[expand], f"{heads} * {head_dim} = {expand} * {hidden} (Mamba2)"
+
+    return fix
+
+
+def _lfm2(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+    # transformers 5's Lfm2Config lacks conv_dim and block_dim, which vLLM reads; both are the hidden size.
+    yield "conv_dim", config["hidden_size"], "vLLM reads it; transformers 5 lacks it (= hidden size)"
+    yield "block_dim", config["hidden_size"], "vLLM reads it; transformers 5 lacks it (= hidden size)"
+    yield "block_auto_adjust_ff_dim", False, "keep the MLP width as shrunk"
+    yield "block_ff_dim", config.get("intermediate_size", 128), "width"
+
+
+def _falcon_h1(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+    yield "mamba_d_ssm", config["mamba_n_heads"] * config["mamba_d_head"], "mamba_n_heads * mamba_d_head (Mamba2)"
+
+
+def _zamba2(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+    # attention_hidden_size = 2 * hidden must hold num_attention_heads heads of at least 32 (CPU
+    # attention); the Mamba2 head size then follows from expand * hidden = n_mamba_heads * mamba_headdim.
+    heads = config["num_attention_heads"]
+    hidden = max(128, heads * 16)
+    yield "hidden_size", hidden, "2 * hidden holds the attention heads at head size 32"
+    yield "attention_hidden_size", 2 * hidden, "2 * hidden (Zamba2's shared attention)"
+    yield "attention_head_dim", 2 * hidden // heads, "attention_hidden_size / heads"
+    yield "kv_channels", hidden // heads, "hidden / heads"
+    width = config["mamba_expand"] * hidden
+    if width % config["n_mamba_heads"] == 0:
+        yield "mamba_headdim", width // config["n_mamba_heads"], "mamba_expand * hidden / n_mamba_heads (Mamba2)"
+
+
+def _gemma3n(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+    # vocab_size_per_layer_input must stay within the shrunk vocabulary.
+    yield "vocab_size_per_layer_input", config["vocab_size"], "the shrunk vocabulary"
+
+
+def _gdn_bf16() -> Family:
+    return Family(_nothing, dtype="bfloat16", notes=("vLLM's CPU Gated DeltaNet kernel needs bfloat16",))
+
+
+def _noaux_tc(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+    # transformers' DeepseekV3Config has no topk_method, and its model always carries the router's
+    # e_score_correction_bias, which vLLM creates only under DeepSeek-V3's own "noaux_tc" routing.
+    if config.get("topk_method") is None:
+        yield "topk_method", "noaux_tc", "DeepSeek-V3's routing (vLLM loads the router's correction bias only under it)"
+
+
+def _glm4_moe(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+    # vLLM reads head_dim, which transformers' Glm4MoeConfig leaves unset (the GLM-4.5 checkpoints say 128).
+    if config.get("head_dim") is None:
+        yield "head_dim", 128, "vLLM reads it; transformers' defaults lack it (GLM-4.5's is 128)"
+        yield "hidden_size", 256, "width (the head size now explicit)"
+
+
+def _first_k_dense(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+    # vLLM reads first_k_dense_replace; transformers' config says the same with mlp_layer_types.
+    kinds = config.get("mlp_layer_types") or []
+    dense = next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds))
+    yield "first_k_dense_replace", dense, "vLLM reads it: the leading dense layers of mlp_layer_types"
+
+
+def _minimax_m2(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+    # vLLM reads rotary_dim, which transformers' MiniMaxM2Config lacks (MiniMax-M2's checkpoint: 64 of head_dim 128).
+    if config.get("rotary_dim") is None and isinstance(config.get("head_dim"), int):
+        yield "rotary_dim", config["head_dim"] // 2, "vLLM reads it; MiniMax-M2's checkpoint rotates half of each head"
+
+
+FIXES: dict[str, Family] = {
+    "lfm2": Family(_lfm2),
+    "lfm2_moe": Family(_lfm2),
+    "qwen3_next": _gdn_bf16(),
+    "qwen3_5_text": _gdn_bf16(),
+    "qwen3_5_moe_text": _gdn_bf16(),
+    "qwen4_exp_text": _gdn_bf16(),
+    "nemotron_h": Family(_nothing, plugins=(MAMBA2,)),
+    "falcon_h1": Family(_falcon_h1, plugins=(MAMBA2,)),
+    "mamba2": Family(_mamba2_width("num_heads", "head_dim", "expand"), plugins=(MAMBA2,)),
+    "granitemoehybrid": Family(_mamba2_width("mamba_n_heads", "mamba_d_head", "mamba_expand"), plugins=(MAMBA2,)),
+    "zamba2": Family(_zamba2, plugins=(MAMBA2,)),
+    "gemma3n_text": Family(_gemma3n),
+    "deepseek_v3": Family(_noaux_tc),
+    "glm4_moe": Family(_glm4_moe),
+    "glm4_moe_lite": Family(_first_k_dense),
+    "hy_v3": Family(_first_k_dense),
+    "minimax_m2": Family(_minimax_m2),
+    "deepseek_v2": Family(_nothing, dtype="bfloat16", notes=(
+        "vLLM's CPU MoE kernel refuses float32 weights for DeepSeek-V2 (measured): served in bfloat16",)),
+}
+"""Model type → its fix."""
+
+
+_LFM2_LAYERS = ["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv", "full_attention",
+                "conv", "full_attention", "conv", "full_attention", "conv", "full_attention", "conv"]
+
+DEFAULTS: dict[str, tuple[dict[str, Any], str]] = {
+    "lfm2": (
+        {"num_hidden_layers": len(_LFM2_LAYERS), "layer_types": _LFM2_LAYERS,
+         "full_attn_idxs": [i for i, kind in enumerate(_LFM2_LAYERS) if kind == "full_attention"]},
+        ("transformers' Lfm2Config defaults make every layer attention (no short conv, which vLLM's LFM2 requires): "
+         "the layer pattern of LFM2-1.2B (conv layers, attention at 2, 5, 8, 10, 12, 14) stands in"),
+    ),
+    "lfm2_moe": (
+        {"num_hidden_layers": len(_LFM2_LAYERS), "layer_types": _LFM2_LAYERS},
+        ("transformers' Lfm2MoeConfig defaults state no layer types: LFM2-1.2B's layer pattern stands in (not an "
+         "LFM2-MoE checkpoint's own)"),
+    ),
+}
+"""Model types whose transformers defaults describe no model vLLM serves: the fields that stand in when
+the source is the model type or architecture alone (never over a given ``config.json``), and why."""

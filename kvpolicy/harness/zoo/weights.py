@@ -1,0 +1,57 @@
+"""Seeded weights for a tiny copy, saved as a checkpoint vLLM loads like a real one.
+
+Why not vLLM's dummy loader (``load_format="dummy"``): it fills every tensor from the same seed, so
+the shard of a TP-split weight each rank holds is drawn alike on every rank. Two KV heads at TP=2
+then compute identical keys on both ranks, and discovery observes replicated bytes where the model
+holds a distinct head per rank (measured on a 2-KV-head Llama: partition ``[[0, 1]]``, where the
+model's is ``[[0], [1]]``). A checkpoint holds each full tensor once, and vLLM's loader gives each rank
+its own shard of it, as it does for a real model.
+
+The weights are drawn as :mod:`kvpolicy.harness.tinymodel` draws them: normal with std 0.2 (every part
+of the model moves the logits), norm weights 1, Mamba-style ``A_log ~ U[0, 1.5)`` and ``dt_bias = 0``,
+one generator in a fixed parameter order, so the same configuration always gives the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+INIT_STD = 0.2
+
+
+def _redraw(name: str, shape: Any, generator: Any, init_std: float) -> Any:
+    import torch
+
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name and leaf == "weight":
+        return torch.ones(shape)
+    if leaf == "A_log":
+        return torch.rand(shape, generator=generator) * 1.5
+    if leaf == "dt_bias":
+        return torch.zeros(shape)
+    return torch.randn(shape, generator=generator) * init_std
+
+
+def write_checkpoint(directory: str | os.PathLike[str], *, dtype: str, seed: int = 0, init_std: float = INIT_STD) -> Path:
+    """Instantiate the model of ``directory/config.json`` with transformers, redraw its weights and
+    save them beside it (``model.safetensors``); return the directory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    target = Path(directory)
+    config = AutoConfig.from_pretrained(target)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, parameter in sorted(model.named_parameters()):
+                parameter.copy_(_redraw(name, parameter.shape, generator, init_std))
+    model = model.to(getattr(torch, dtype)).eval()
+    written = (target / "config.json").read_text()
+    model.save_pretrained(target, safe_serialization=True)
+    # save_pretrained rewrites config.json (transformers' class name, its own defaults): keep the copy's.
+    (target / "config.json").write_text(written)
+    return target
