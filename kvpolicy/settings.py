@@ -319,11 +319,14 @@ class KVPolicySettings(BaseModel):
     ) -> dict[str, Any]:
         """vLLM's ``--kv-transfer-config`` running the connector with these settings; ``upstream_extra``
         adds the Mooncake store connector's ``kv_connector_extra_config`` keys, ``upstream_fields``
-        other ``KVTransferConfig`` fields (e.g. ``kv_load_failure_policy``)."""
+        other ``KVTransferConfig`` fields. ``kv_load_failure_policy`` is ``recompute`` unless given: the
+        store may lose an object between a lookup's hit and its load (eviction, a lost segment host), and
+        vLLM's default, ``fail``, would fail the request (vLLM 0.32 and 0.33 both have the field)."""
         return {
             "kv_connector": CONNECTOR_CLASS,
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": role,
+            "kv_load_failure_policy": "recompute",
             **upstream_fields,
             EXTRA_CONFIG: self.extra_config(upstream_extra),
         }

@@ -2,7 +2,9 @@
 
 :class:`BlockReader` slices uint8 views of the registered KV-cache tensors' storage at the (address, size)
 regions a token database names, the regions the store would write. On a GPU only the audited blocks are
-copied to the host, in one copy per group, on the current stream (so after the forward that wrote them).
+copied to the host, in one copy per group and device, on the current stream (so after the forward that wrote
+them); discovery's per-layer digests read a group's blocks in that same one copy. The tensors may lie on
+several devices (HiSparse keeps some groups in host memory beside the device ones).
 :mod:`kvpolicy.vllm.audit` feeds it vLLM's ``ChunkedTokenDatabase``; ``scripts/gpu_check.py`` runs it on a
 GPU without vLLM.
 """
@@ -43,9 +45,14 @@ class BlockReader:
     lies in one of their storages.
     """
 
-    def __init__(self, kv_caches: Mapping[str, Any]) -> None:
+    def __init__(self, kv_caches: Mapping[str, Any], *, copy_to_host: bool = False) -> None:
+        """``copy_to_host`` takes the device path (one copy of a read's regions to the host) on CPU
+        tensors too, where they are otherwise read in place: tests use it to count that path's copies."""
         self._kv_caches = dict(kv_caches)
         self._storages = KVStorages.of_kv_caches(kv_caches)
+        self._copy_to_host = copy_to_host
+        self.host_copies = 0
+        """Copies to host memory made so far (one per :meth:`read` and device, on the device path)."""
 
     def region(self, address: int, size: int) -> torch.Tensor:
         """A uint8 view (shared memory: writable) of ``size`` bytes of a registered tensor at ``address``."""
@@ -109,19 +116,30 @@ class BlockReader:
         return sorted(found)
 
     def read(self, addresses: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
-        """The bytes at ``addresses`` (``sizes`` each) on the host, in order.
+        """The bytes at ``addresses`` (``sizes`` each) on the host, one view per region, in order.
 
-        CPU tensors are read in place; device tensors are sliced on the device and copied to the
-        host once, all regions together.
+        CPU tensors are read in place; the regions on a device are sliced there and copied to the
+        host once, all of that device's regions together (stream-ordered: after the forward pass that
+        wrote them).
         """
         slices = [self.region(address, size) for address, size in zip(addresses, sizes, strict=True)]
-        if not slices:
-            return []
-        if all(piece.device.type == "cpu" for piece in slices):
-            return [memoryview(piece.numpy()) for piece in slices]
-        # Stream-ordered: the copy waits for the forward pass that wrote these blocks.
-        host = torch.cat([piece.reshape(-1) for piece in slices]).cpu()
-        return [memoryview(host.numpy())]
+        views: list[memoryview | None] = [None] * len(slices)
+        by_device: dict[torch.device, list[int]] = {}
+        for index, piece in enumerate(slices):
+            if piece.device.type == "cpu" and not self._copy_to_host:
+                views[index] = memoryview(piece.numpy())
+            else:
+                by_device.setdefault(piece.device, []).append(index)
+        for indices in by_device.values():
+            host = torch.cat([slices[index].reshape(-1) for index in indices]).cpu()  # cat always copies
+            self.host_copies += 1
+            whole = memoryview(host.numpy())
+            offset = 0
+            for index in indices:
+                length = slices[index].numel()
+                views[index] = whole[offset : offset + length]
+                offset += length
+        return [view for view in views if view is not None]
 
 
 def block_regions(database: TokenDatabase, block_ids: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -152,27 +170,35 @@ def local_layer_digests(
 ) -> dict[int, dict[str, list[tuple[str, bool]]]]:
     """This rank's digests per group, layer and block (discovery): each block's regions, attributed
     to the group's layers by address (:meth:`BlockReader.spans`), digested per layer in the order the
-    store writes them, as (hex digest, all zero). Raises ``ValueError`` for a region in no layer's span."""
+    store writes them, as (hex digest, all zero). A group's blocks are read in one :meth:`BlockReader.read`
+    (one copy to the host per device), not one per layer and block. Raises ``ValueError`` for a region
+    in no layer's span."""
     found: dict[int, dict[str, list[tuple[str, bool]]]] = {}
     for group, block_ids in blocks.items():
         names = list(layer_names[group])
         spans = reader.spans(names)
         starts = [start for start, _, _ in spans]
-        per_layer: dict[str, list[tuple[str, bool]]] = {name: [] for name in names}
+        addresses: list[int] = []
+        sizes: list[int] = []
+        # Per block, per layer: the positions of its regions in the group's one read.
+        positions: list[dict[str, list[int]]] = []
         for block_id in block_ids:
-            addresses, sizes = token_dbs[group].prepare_value_for_block(block_id)
-            regions: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name in names}
-            for address, size in zip(addresses, sizes, strict=True):
+            block_addresses, block_sizes = token_dbs[group].prepare_value_for_block(block_id)
+            layers: dict[str, list[int]] = {}
+            for address, size in zip(block_addresses, block_sizes, strict=True):
                 where = bisect.bisect_right(starts, address) - 1
                 if where < 0 or address >= spans[where][1]:
                     raise ValueError(f"group {group}: block {block_id}'s region at {address:#x} lies in none of its layers")
-                layer_addresses, layer_sizes = regions[spans[where][2]]
-                layer_addresses.append(address)
-                layer_sizes.append(size)
+                layers.setdefault(spans[where][2], []).append(len(addresses))
+                addresses.append(address)
+                sizes.append(size)
+            positions.append(layers)
+        regions = reader.read(addresses, sizes)
+        per_layer: dict[str, list[tuple[str, bool]]] = {name: [] for name in names}
+        for layers in positions:
             for name in names:
-                layer_addresses, layer_sizes = regions[name]
-                if layer_addresses:
-                    digest = digest_blocks(reader.read(layer_addresses, layer_sizes))
+                if name in layers:
+                    digest = digest_blocks(regions[index] for index in layers[name])
                     per_layer[name].append((digest.value, digest.all_zero))
         found[group] = per_layer
     return found

@@ -16,11 +16,16 @@ keys (the owner to send, the others to receive), so the cut depends on key count
 which every TP rank shares, and every rank derives the same pieces without talking.
 
 In a piece, each owner's keys of a group form a :class:`StripeBlock` that travels as
-``[fingerprint | one ok flag per key | payload]``: the fingerprint (of the keys and region sizes)
+``[fingerprint | one ok flag per key | padding to 8 bytes | payload]``: the fingerprint (of the keys and region sizes)
 catches ranks out of step, the flags carry the owner's read results (a key its owner could not read
-is a failed get on every member). The payload is laid out slot-major (the first region of every key,
+is a failed get on every member). An owner that could not stage its piece (no memory for the staging
+buffers) still takes part in the exchange, with every flag :data:`QUIT_FLAG` and no payload
+(:meth:`StripeBlock.quit_header`): its peers read those keys from the store themselves at once,
+instead of waiting for a transfer that never comes. The payload is laid out slot-major (the first region of every key,
 then the second, ...): on an engine a slot is one KV-cache tensor, so the gather and the scatter are
-one indexed copy per tensor (:func:`index_runs`) instead of one copy per region.
+one indexed copy per tensor (:func:`index_runs`) instead of one copy per region. The header's padding
+keeps a payload at an 8-byte offset, so those copies move rows as 8-byte words where the regions' sizes
+allow (KV blocks' do), not as single bytes.
 
 Nothing here imports vLLM or torch; :mod:`kvpolicy.device.striped` runs the schedule on tensors.
 """
@@ -36,6 +41,8 @@ from dataclasses import dataclass
 __all__ = [
     "DEFAULT_PIECE_BUDGET_BYTES",
     "FINGERPRINT_BYTES",
+    "HEADER_ALIGN",
+    "QUIT_FLAG",
     "IndexRun",
     "StripeBlock",
     "StripeCounts",
@@ -48,10 +55,15 @@ __all__ = [
     "stripe_owner",
 ]
 
+QUIT_FLAG = 2
+"""The flag of every key in the header of an owner that stops exchanging (it could not stage the
+piece): the receivers read its keys themselves, and stop striping after this load as it does."""
 DEFAULT_PIECE_BUDGET_BYTES = 256 * 2**20
 """Bytes one rank stages per exchange, at most (payload and headers; send and receive together): far
 below what gloo moves in its 120 s timeout, and a bounded transient in host (and device) memory."""
 FINGERPRINT_BYTES = 8
+HEADER_ALIGN = 8
+"""A block's header is padded to a multiple of this many bytes: its payload starts word-aligned."""
 
 
 def stripe_owner(position: int, replica_set: Sequence[int]) -> int:
@@ -98,7 +110,11 @@ class StripeBlock:
 
     @property
     def header_bytes(self) -> int:
-        return FINGERPRINT_BYTES + len(self.units)
+        """The fingerprint and one flag per key, padded to :data:`HEADER_ALIGN` bytes."""
+        return -(-(FINGERPRINT_BYTES + len(self.units)) // HEADER_ALIGN) * HEADER_ALIGN
+
+    def _padding(self) -> bytes:
+        return bytes(self.header_bytes - FINGERPRINT_BYTES - len(self.units))
 
     @property
     def payload_offset(self) -> int:
@@ -127,13 +143,26 @@ class StripeBlock:
         """The header the owner writes: the fingerprint, then 1 for each key it read, 0 for each it did not."""
         if len(ok) != len(self.units):
             raise ValueError(f"{len(ok)} flags for a block of {len(self.units)} keys")
-        return self.fingerprint() + bytes(1 if flag else 0 for flag in ok)
+        return self.fingerprint() + bytes(1 if flag else 0 for flag in ok) + self._padding()
+
+    def quit_header(self) -> bytes:
+        """The header of an owner that stops exchanging: the fingerprint, then :data:`QUIT_FLAG` for every key."""
+        return self.fingerprint() + bytes([QUIT_FLAG] * len(self.units)) + self._padding()
 
     def read_header(self, header: bytes) -> tuple[bool, ...] | None:
-        """The owner's flags, or None when the header is not this block's (the ranks are out of step)."""
+        """The owner's flags, or None when the header is not this block's (the ranks are out of step).
+        A quitting owner's flags are all False (:meth:`quits` tells it apart)."""
         if len(header) != self.header_bytes or header[:FINGERPRINT_BYTES] != self.fingerprint():
             return None
-        return tuple(flag == 1 for flag in header[FINGERPRINT_BYTES:])
+        return tuple(flag == 1 for flag in header[FINGERPRINT_BYTES : FINGERPRINT_BYTES + len(self.units)])
+
+    def quits(self, header: bytes) -> bool:
+        """``header`` is this block's and its owner stops exchanging (:meth:`quit_header`)."""
+        flags = header[FINGERPRINT_BYTES : FINGERPRINT_BYTES + len(self.units)]
+        return (
+            len(header) == self.header_bytes and header[:FINGERPRINT_BYTES] == self.fingerprint()
+            and bool(flags) and all(flag == QUIT_FLAG for flag in flags)
+        )
 
     def region_offsets(self) -> tuple[tuple[int, ...], ...]:
         """Where each region of each unit sits in the staging buffer: slot-major (region 0 of every
@@ -269,18 +298,19 @@ def plan_stripes(
 
 def _cut(units: Sequence[StripeUnit], factors: dict[int, int], budget_bytes: int) -> list[list[StripeUnit]]:
     """Runs of ``units`` (in order) staging at most ``budget_bytes`` each on any rank: a key costs its
-    bytes and its flag on every member, a group present in a piece ``f`` fingerprints (the owner's
-    block and ``f − 1`` received ones)."""
+    bytes and its flag on every member, a group present in a piece ``f`` fingerprints and paddings
+    (the owner's block and ``f − 1`` received ones)."""
     runs: list[list[StripeUnit]] = []
     run: list[StripeUnit] = []
     cost = 0
+    per_block = FINGERPRINT_BYTES + HEADER_ALIGN - 1  # a header's fingerprint and, at most, its padding
     for unit in units:
         opens_group = not run or run[-1].group != unit.group
-        added = unit.nbytes + 1 + (FINGERPRINT_BYTES * factors[unit.group] if opens_group else 0)
+        added = unit.nbytes + 1 + (per_block * factors[unit.group] if opens_group else 0)
         if run and cost + added > budget_bytes:
             runs.append(run)
             run, cost = [], 0
-            added = unit.nbytes + 1 + FINGERPRINT_BYTES * factors[unit.group]
+            added = unit.nbytes + 1 + per_block * factors[unit.group]
         run.append(unit)
         cost += added
     if run:
@@ -481,7 +511,7 @@ class StripeCounts:
     keys_received: int = 0
     """Keys whose bytes came whole from another member of the replica set."""
     bytes_received: int = 0
-    """Payload bytes of those keys (headers not counted: 9 bytes a block and 1 a key)."""
+    """Payload bytes of those keys (headers not counted: 8 bytes a block and 1 a key, padded to 8)."""
     bytes_sent: int = 0
     """Payload bytes sent, once per receiver."""
     keys_failed: int = 0
@@ -504,6 +534,11 @@ class StripeCounts:
     """Device staging buffers of one piece, at most (0 where the KV cache is host memory)."""
     peak_index_bytes: int = 0
     """Row indices (int64) built for one piece, at most."""
+    staging_failures: int = 0
+    """Pieces whose staging buffers this rank could not allocate: it quit the exchange for the rest of
+    the load (read those keys itself, told its peers in the headers) and stopped striping after it."""
+    peer_quits: int = 0
+    """Blocks received from an owner that quit: their keys this rank read from the store itself."""
 
     def __add__(self, other: StripeCounts) -> StripeCounts:
         return StripeCounts(

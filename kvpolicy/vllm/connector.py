@@ -22,6 +22,7 @@ from kvpolicy.vllm.version import check_vllm_version
 check_vllm_version(vllm.__version__)  # before any class of vLLM's connector is imported
 
 from vllm.config import VllmConfig  # noqa: E402
+from vllm.logger import init_logger  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
@@ -32,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
     PromMetricT,
 )
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from kvpolicy.diagnostics import Diagnostic, DocumentError  # noqa: E402
 from kvpolicy.loader import load_policy  # noqa: E402
@@ -42,10 +44,25 @@ from kvpolicy.vllm import internals  # noqa: E402
 from kvpolicy.vllm.metrics import KVPolicyConnectorStats, KVPolicyPromMetrics  # noqa: E402
 from kvpolicy.vllm.worker import KVPolicyStoreWorker  # noqa: E402
 
-__all__ = ["POLICY_KEY", "KVPolicyConfigError", "KVPolicyConnector", "parse_settings", "resolve_policy"]
+logger = init_logger(f"vllm.{__name__}")
+
+__all__ = [
+    "HIT_SOURCE",
+    "POLICY_KEY",
+    "KVPolicyConfigError",
+    "KVPolicyConnector",
+    "parse_settings",
+    "resolve_policy",
+]
 
 POLICY_KEY = "kvpolicy"
 """The ``kv_connector_extra_config`` key that selects the policy."""
+
+HIT_SOURCE = CacheHitSource.HOST
+"""The tier vLLM's ``vllm:prompt_tokens_cached_by_source`` counts a store hit under: Mooncake's store
+keeps objects in host memory (DRAM segments, this host's or another's), and vLLM's own tiering maps a
+tier on the CPU medium to ``host`` whatever its locality. (vLLM's fallback, ``external_unspecified``,
+is for connectors that do not say.)"""
 
 
 class KVPolicyConfigError(ValueError):
@@ -92,7 +109,29 @@ def resolve_policy(settings: KVPolicySettings | Mapping[str, Any]) -> Policy:
 
 
 class KVPolicyConnector(MooncakeStoreConnector, SupportsHMA):
-    """``MooncakeStoreConnector`` whose worker takes factors, keys, put schedules and lookups from a plan."""
+    """``MooncakeStoreConnector`` whose worker takes factors, keys, put schedules and lookups from a plan.
+
+    The members vLLM's connector base (0.32 and 0.33) lets a connector decide are decided here, not
+    inherited: no divergent local hybrid hits, no reliable delivery (a best-effort cache), store hits
+    counted as :data:`HIT_SOURCE`. ``kv_load_failure_policy`` is the deployment's: ``kvpolicy vllm-config``
+    writes ``recompute``, and the scheduler role warns at start-up when it is ``fail``.
+    """
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """False, pinned: the store restores a recurrent (Mamba) state only at the boundaries it saved,
+        so it cannot complete a local hit whose attention reaches past the state it holds."""
+        return False
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache. A save dropped when a request is preempted is a future miss, so a
+        preempted request keeps its in-flight output (vLLM's default is True for every producer role)."""
+        return False
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """Every external hit token under :data:`HIT_SOURCE` (all of them come from the store)."""
+        return {HIT_SOURCE: num_external_tokens} if num_external_tokens else {}
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         if vllm_config.kv_transfer_config is None:
@@ -108,6 +147,7 @@ class KVPolicyConnector(MooncakeStoreConnector, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             # The scheduler side needs no plan: lookups run on worker rank 0.
             super().__init__(vllm_config, role, kv_cache_config)
+            warn_on_failing_loads(vllm_config.kv_transfer_config.kv_load_failure_policy)
             return
         self._init_worker_role(vllm_config, role, kv_cache_config)
 
@@ -140,6 +180,22 @@ class KVPolicyConnector(MooncakeStoreConnector, SupportsHMA):
         """The worker's plan; None on the scheduler role and on a capacity-only worker."""
         worker = self.connector_worker
         return worker.plan if isinstance(worker, KVPolicyStoreWorker) else None
+
+
+LOAD_FAILURE_WARNING = (
+    "kvpolicy: kv_load_failure_policy is 'fail': a request fails whenever the store loses an object between "
+    "its lookup and its load (eviction under memory pressure, a segment host gone); set "
+    '"kv_load_failure_policy": "recompute" in --kv-transfer-config (kvpolicy vllm-config writes it)'
+)
+
+
+def warn_on_failing_loads(policy: str) -> bool:
+    """Log :data:`LOAD_FAILURE_WARNING` when ``policy`` (``kv_load_failure_policy``) fails requests on a
+    failed load; whether it did. The scheduler reads the policy right after building the connector."""
+    if policy == "fail":
+        logger.warning(LOAD_FAILURE_WARNING)
+        return True
+    return False
 
 
 def _register_by_name() -> None:

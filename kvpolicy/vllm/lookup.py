@@ -14,7 +14,9 @@ search walks (:class:`_Probe`). A chunk that is no candidate of vLLM's lookup (o
 past the prompt) is absent without a probe, as it is absent from vLLM's answers. Every answer therefore
 equals the one vLLM's single batch gives for the same store, and so do the hit length and the tail
 boundaries; what changes is how many keys are probed (the keys the search reads, plus the rest of the
-batch they came in) and in how many calls (a few, instead of one).
+batch they came in) and in how many calls (a few, instead of one). vLLM's connector telemetry still
+gets one ``lookup_exists`` operation per lookup, as from vLLM's own: its duration the calls' time
+summed, its keys every key probed (:attr:`LookupProbes.calls` says how many calls).
 """
 
 from __future__ import annotations
@@ -275,17 +277,16 @@ def lookup(
     if not any(candidates.values()):
         return MooncakeLookupResult(0), probes
 
+    probed = _ProbeTime()
+
     def probe(keys: list[str]) -> Sequence[int]:
         started = time.perf_counter()
         try:
             results = worker.store.batch_is_exist(keys)
         except Exception as error:
-            internals.record_operation(
-                worker,
-                "lookup_exists", time.perf_counter() - started, len(keys), status="error", num_failed_keys=len(keys)
-            )
+            probed.add(time.perf_counter() - started, len(keys), failed=len(keys))
             raise _ProbeFailed(error) from error
-        internals.record_operation(worker, "lookup_exists", time.perf_counter() - started, len(keys))
+        probed.add(time.perf_counter() - started, len(keys))
         if read_failures is None:
             return results
         masked_before = read_failures.masked
@@ -308,7 +309,34 @@ def lookup(
         # As vLLM's lookup: a store that cannot answer is a miss. Anything else is a bug, and raises.
         logger.error("Remote connection failed in lookup: %s", error.__cause__)
         return MooncakeLookupResult(0), pool.probes
+    finally:
+        probed.record(worker)
     return MooncakeLookupResult(hit_length, boundaries), pool.probes
+
+
+@dataclasses.dataclass
+class _ProbeTime:
+    """One lookup's ``batch_is_exist`` calls, summed: vLLM's telemetry gets one ``lookup_exists`` per
+    lookup, as its own lookup records (one batch), whatever the number of batches probed."""
+
+    seconds: float = 0.0
+    keys: int = 0
+    failed: int = 0
+    calls: int = 0
+
+    def add(self, seconds: float, keys: int, *, failed: int = 0) -> None:
+        self.seconds += seconds
+        self.keys += keys
+        self.failed += failed
+        self.calls += 1
+
+    def record(self, worker: Any) -> None:
+        """The lookup's one ``lookup_exists`` (none when it probed nothing, as vLLM's lookup records none)."""
+        if self.calls:
+            internals.record_operation(
+                worker, "lookup_exists", self.seconds, self.keys,
+                status="error" if self.failed else "ok", num_failed_keys=self.failed,
+            )
 
 
 class _ReadRecorder(ProbingBlockPool):

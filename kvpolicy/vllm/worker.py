@@ -46,7 +46,13 @@ from kvpolicy.runtime.tally import Tally
 from kvpolicy.vllm.metrics import CountingStore, KVPolicyConnectorStats, dedup_multiplier
 from kvpolicy.vllm.send import MergedSaveSendingThread
 from kvpolicy.vllm.standalone import Ranks, init_standalone
-from kvpolicy.vllm.striped import KVStorages, StripedReadStore, exchange_over_tp, striping_possible
+from kvpolicy.vllm.striped import (
+    KVStorages,
+    StripedReadStore,
+    exchange_over_tp,
+    striping_possible,
+    torchcomms_enabled,
+)
 
 # Under "vllm." so records reach vLLM's own handler (it configures only the "vllm" logger tree).
 logger = init_logger(f"vllm.{__name__}")
@@ -177,6 +183,8 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._runtime: RankPolicy | None = None
         self._discovery: RankDiscovery | None = None
         self._block_reader: online_audit.BlockReader | None = None
+        self._kv_caches: dict[str, Any] = {}
+        """The registered KV tensors, kept for the block reader, built on first use (:meth:`_reader`)."""
         self._tally = Tally()
         # Instance-wide counts (audit steps, the plan) come from one worker: tp rank 0 of every (pcp,
         # pp) stage concludes each step, and vLLM sums the workers' stats.
@@ -335,7 +343,9 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         super().register_kv_caches(kv_caches)
         if internals.capacity_only(self) or not kv_caches:
             return
-        self._block_reader = online_audit.BlockReader(kv_caches)
+        # The audit's and discovery's block reader is built when one of them first reads (_reader): an
+        # engine running neither never scans the KV tensors, whatever devices they lie on.
+        self._kv_caches = dict(kv_caches)
         # Upstream builds and starts the send thread inline in register_kv_caches, with put steps =
         # factors and every prefix-cacheable group participating: right for "striped" only. There is
         # no hook, so the plan's schedule replaces both here. Safe although the thread is running:
@@ -363,16 +373,19 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         replicated = any(len(rank.replica_set) > 1 for group in plan.groups for rank in group.ranks)
         if plan.load is not LoadMode.STRIPED or not replicated or not self.kv_recv_threads:
             return  # the same decision on every rank: it depends on the plan alone
+        storages = KVStorages.of_kv_caches(kv_caches)
         why = striping_possible(
-            recv_threads=len(self.kv_recv_threads), disk_offload_budget=self.disk_offload_buffer_budget_bytes
+            recv_threads=len(self.kv_recv_threads), disk_offload_budget=self.disk_offload_buffer_budget_bytes,
+            kv_devices=storages.devices, torchcomms=torchcomms_enabled(),
         )
         if why is not None:
             if self.tp_rank == 0:
                 logger.warning("kvpolicy: load: striped falls back to reads on every rank: %s", why)
             return
         settings = self._settings
-        exchange = self._exchange if self._exchange is not None else exchange_over_tp(settings.kvpolicy_striped_exchange)
-        storages = KVStorages.of_kv_caches(kv_caches)
+        exchange = self._exchange
+        if exchange is None:
+            exchange = exchange_over_tp(settings.kvpolicy_striped_exchange, device=storages.device)
         internals.decorate_recv_stores(
             self,
             lambda inner: StripedReadStore(
@@ -465,7 +478,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         blocks = online_audit.blocks_to_audit(metadata, self.coord, range(len(groups)))
         if not blocks:
             return
-        reader = self._block_reader
+        reader = self._reader()
 
         def collect() -> dict[int, dict[str, list[tuple[str, bool]]]]:
             if reader is None:
@@ -494,7 +507,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             self.cache_config.cache_dtype, [group.kv_cache_spec for group in internals.kv_cache_groups(self)]
         )
         collect_reports, collect_samples = online_audit.step_collectors(
-            self, blocks, comparisons=comparisons, gather=self._gather, reader=self._block_reader, timings=timings
+            self, blocks, comparisons=comparisons, gather=self._gather, reader=self._reader(), timings=timings
         )
         try:
             outcome = runtime.conclude_step(
@@ -512,6 +525,17 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
             raise
         if self.tp_rank == 0:
             online_audit.record_stats(self, blocks, time.perf_counter() - started, demoted=len(outcome.demoted))
+
+    def _reader(self) -> online_audit.BlockReader | None:
+        """The block reader of the registered KV tensors, built on first use; None before registration
+        and where the tensors cannot be read (logged once; the audit then joins its collectives empty)."""
+        if self._block_reader is None and self._kv_caches:
+            try:
+                self._block_reader = online_audit.BlockReader(self._kv_caches)
+            except Exception:
+                logger.exception("kvpolicy: tp rank %d cannot read its KV caches for the audit or discovery", self.tp_rank)
+                self._kv_caches = {}
+        return self._block_reader
 
     def _rebind(self, plan: Plan) -> None:
         """Run ``plan`` from now on: no save or load may straddle the change of namespaces."""

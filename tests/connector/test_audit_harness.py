@@ -496,9 +496,10 @@ def test_the_audit_command_demotes_vllm_compat_on_a_model_whose_first_block_has_
 def test_the_audit_command_names_every_archetype_when_one_is_unknown(capsys: pytest.CaptureFixture[str]) -> None:
     from kvpolicy.app.cli import main
 
-    code = main(["audit", "--policy", "default", "--archetype", "nas-lik", "--tp", "2"])
+    with pytest.raises(SystemExit) as exited:  # a usage error, judged when the command line is parsed
+        main(["audit", "--policy", "default", "--archetype", "nas-lik", "--tp", "2"])
     err = capsys.readouterr().err
-    assert code == 2
+    assert exited.value.code == 2
     assert "unknown archetype 'nas-lik'" in err and "nas-like" in err and "gemma4-like" in err and "mla" in err
 
 

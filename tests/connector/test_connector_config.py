@@ -7,10 +7,12 @@ as a bad policy stops it, which is before anything else happens.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -302,6 +304,78 @@ def test_vllm_accepts_the_builders_kv_transfer_config() -> None:
     config = KVTransferConfig(**built)
     assert KVConnectorFactory.get_connector_class(config) is KVPolicyConnector
     assert resolve_policy(config.kv_connector_extra_config).name == "default"
+    # The scheduler recomputes a load that failed (an object evicted between lookup and load), not fails it.
+    assert config.kv_load_failure_policy == "recompute"
+
+
+# --- what vLLM's connector base (0.32, 0.33) leaves a connector to decide -----------------------------
+
+
+@contextlib.contextmanager
+def scheduler_connector(load_failure: str = "recompute") -> Iterator[KVPolicyConnector]:
+    """The connector in the scheduler role, as vLLM's scheduler builds it (a one-group model's config);
+    its lookup client's socket closed after (an unclosed one can block the interpreter in zmq)."""
+    from kvpolicy.settings import KVPolicySettings
+    from kvpolicy.sim.model import build_model
+
+    model = build_model("mla", 1, model_name="tiny-contract", blocks_needed=8)
+    config = model.vllm_config
+    config.kv_transfer_config = KVTransferConfig(
+        **KVPolicySettings(kvpolicy="default").kv_transfer_config(kv_load_failure_policy=load_failure)
+    )
+    connector = KVPolicyConnector(config, KVConnectorRole.SCHEDULER, model.kv_cache_config)
+    try:
+        yield connector
+    finally:
+        connector.connector_scheduler.client.close()
+
+
+def test_the_connector_pins_divergent_local_hybrid_hits_off() -> None:
+    """The store restores a Mamba state only at the boundaries it saved: it cannot complete a local hybrid
+    hit whose attention reaches further. Pinned here, so that no upstream default can turn it on."""
+    assert "supports_divergent_local_hybrid_hits" in vars(KVPolicyConnector)
+    with scheduler_connector() as connector:
+        assert connector.supports_divergent_local_hybrid_hits is False
+
+
+def test_the_connector_is_a_best_effort_cache_that_needs_no_reliable_delivery() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    with scheduler_connector() as connector:
+        assert KVConnectorBase_V1.requires_kv_delivery.fget(connector) is True  # vLLM's default for kv_both
+        assert connector.requires_kv_delivery is False
+
+
+def test_store_hits_count_under_host_memory_in_vllms_cache_hit_metrics() -> None:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    from vllm.v1.metrics.stats import PrefixCacheStats
+
+    stats = PrefixCacheStats()
+    with scheduler_connector() as connector:
+        # What vLLM's scheduler records at admission for a request whose 96 of 128 tokens the store supplied.
+        stats.record(num_tokens=128, num_hits=96, preempted=False,
+                     hits_by_source=connector.get_external_cache_hit_sources(None, 96))  # type: ignore[arg-type]
+        assert connector.get_external_cache_hit_sources(None, 0) == {}  # type: ignore[arg-type]
+    assert stats.hits_by_source == {CacheHitSource.HOST: 96}
+
+
+@pytest.mark.parametrize(("policy", "warned"), [("fail", True), ("recompute", False)])
+def test_the_scheduler_warns_at_start_up_when_a_failed_load_would_fail_the_request(policy: str, warned: bool) -> None:
+    import logging
+
+    from kvpolicy.vllm.connector import LOAD_FAILURE_WARNING
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm.kvpolicy.vllm.connector")
+    logger.addHandler(handler)
+    try:
+        with scheduler_connector(policy):
+            pass
+    finally:
+        logger.removeHandler(handler)
+    assert [record.getMessage() for record in records] == ([LOAD_FAILURE_WARNING] if warned else [])
 
 
 def test_vllm_factory_loads_the_connector_from_its_module_path() -> None:

@@ -142,3 +142,28 @@ def test_a_search_walk_not_known_here_probes_every_candidate_at_once() -> None:
     )
     assert walks(coord) == {0: Walk(ascending=True), 1: EVERYTHING, 2: Walk(ascending=False)}
     assert walks(coord)[1] is EVERYTHING
+
+
+def lookup_operations(worker: object) -> list[dict[str, object]]:
+    """The ``lookup_exists`` operations vLLM's connector telemetry got since the last drain."""
+    stats = worker.get_kv_connector_stats()  # type: ignore[attr-defined]
+    return [] if stats is None else list(stats.data["mooncake"].get("lookup_exists", []))
+
+
+def test_a_lookup_is_one_lookup_exists_operation_in_vllms_telemetry_however_many_batches_it_probes(
+    mooncake_master: MooncakeMaster, clients: ClientPool
+) -> None:
+    """Dashboards on ``vllm:mooncake_store_operation_*`` count lookups by ``lookup_exists``, one per lookup
+    from vLLM's own lookup; the connector's lookup probes in a few batches and still records one."""
+    with Fleet("kimi-linear", master=mooncake_master, clients=clients, num_tokens=NUM_TOKENS) as fleet:
+        fleet.instance(load_policy("vllm-compat"), 2, name="cold").save()
+        warm = fleet.instance(load_policy("vllm-compat"), 2, name="warm")
+        worker = warm.ranks[0].worker
+        lookup_operations(worker)  # drain
+        assert warm.lookup().hit_length > 0
+        probes = worker.last_lookup_probes
+        assert probes.calls > 1  # the hit search asked in several batches
+        (operation,) = lookup_operations(worker)
+        assert (operation["num_keys"], operation["status"], operation["num_failed_keys"]) == (probes.keys, "ok", 0)
+        MooncakeStoreWorker.lookup(worker, warm.prompt.num_tokens, list(warm.prompt.hashes))
+        assert len(lookup_operations(worker)) == 1  # vLLM's own lookup: one as well

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import multiprocessing
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -36,6 +37,7 @@ from kvpolicy.runtime.collective import PeerExchange, ThreadExchange, Transfer  
 from kvpolicy.runtime.striping import StripeCounts  # noqa: E402
 from kvpolicy.sim import ARCHETYPES, Fleet, Instance  # noqa: E402
 from kvpolicy.vllm.read_failures import RecordingReadStore  # noqa: E402
+from kvpolicy.device.striped import allocate_staging  # noqa: E402
 from kvpolicy.vllm.striped import PIECE_MIB_KEY, StripedReadStore  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -163,6 +165,19 @@ def test_more_than_one_receive_thread_falls_back_to_reads_on_every_rank(
         assert warm.verdict(lookup).correct
 
 
+def test_under_torchcomms_striping_falls_back_to_reads_on_every_rank_instead_of_breaking_start_up(
+    mooncake_master: MooncakeMaster, clients: ClientPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TorchComms (``TORCH_DISTRIBUTED_USE_TORCHCOMMS=1``) makes a new group a split of the world's, which
+    refuses the TP-local group creation striping needs (``use_local_synchronization``) at start-up."""
+    monkeypatch.setenv("TORCH_DISTRIBUTED_USE_TORCHCOMMS", "1")
+    with Fleet("mla", master=mooncake_master, clients=clients, num_tokens=NUM_TOKENS) as fleet:
+        warm, lookup, read = loaded(fleet, striped(), 2, mooncake_master)
+        assert not any(isinstance(receive_store(t), StripedReadStore) for r in warm.ranks for t in r.worker.kv_recv_threads)
+        assert read == 2 * lookup.hit_length // 16
+        assert warm.verdict(lookup).correct
+
+
 def test_a_plan_carries_the_policys_load_mode_into_its_json(
     mooncake_master: MooncakeMaster, clients: ClientPool
 ) -> None:
@@ -226,14 +241,19 @@ def test_a_failed_owner_fails_only_its_keys_when_the_load_goes_in_pieces(
 
 
 class CountOps(TorchDispatchMode):
-    """The torch operations run in this thread, by name (what a load costs, seen from torch's side)."""
+    """The torch operations run in this thread, by name (what a load costs, seen from torch's side), and
+    the element types the indexed copies of rows (2-D operands) run on."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
+        self.row_dtypes: collections.Counter[tuple[str, torch.dtype]] = collections.Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func.overloadpacket)] += 1
+        name = str(func.overloadpacket)
+        self.ops[name] += 1
+        if name in ("aten.index_select", "aten.index_copy_") and args and args[0].dim() == 2:
+            self.row_dtypes[(name, args[0].dtype)] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -260,6 +280,7 @@ class RankRun:
     ops: collections.Counter[str]
     exchange: RecordingExchange
     broken: bool
+    row_dtypes: collections.Counter[tuple[str, torch.dtype]] = dataclasses.field(default_factory=collections.Counter)
 
 
 @contextlib.contextmanager
@@ -293,7 +314,9 @@ def run_rig(rigs: Sequence[Rig], clients: ClientPool, **options: Any) -> list[Ra
                 with CountOps() as counter:
                     results = store.batch_get_into_multi_buffers(*request)
                 wrong = rigs[rank].wrong(rank, tensors[rank], results)
-                runs[rank] = RankRun(results, wrong, store.counts, counter.ops, recording, store.broken)
+                runs[rank] = RankRun(
+                    results, wrong, store.counts, counter.ops, recording, store.broken, counter.row_dtypes
+                )
 
             threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(tp)]
             for thread in threads:
@@ -402,3 +425,126 @@ def test_a_load_over_gloo_between_processes_arrives_byte_for_byte_within_replica
         own = 5 if rank % 2 == 0 else 4  # 9 keys over 2 members: positions 0, 2, ... go to the first
         assert counts["keys_read"] == own and counts["keys_received"] == 9 - own
         assert counts["bytes_received"] == (9 - own) * 3 * spec.block_bytes
+
+
+@pytest.mark.parametrize("through_host", [False, True], ids=["cpu-tensors", "device-path-on-cpu"])
+def test_the_indexed_copies_move_kv_rows_as_eight_byte_words_not_bytes(
+    mooncake_master: MooncakeMaster, clients: ClientPool, through_host: bool
+) -> None:
+    # Blocks of 256 bytes and 7 keys (a header of 8 + 4 flags, padded): every row at an 8-byte offset.
+    for run in run_rig([rig(keys=7, layers=3)] * 2, clients, stage_through_host=through_host):
+        assert run.wrong == [] and min(run.results) == 0
+        assert run.row_dtypes == {("aten.index_select", torch.int64): 3, ("aten.index_copy_", torch.int64): 3}
+
+
+# --- staging that cannot be allocated ----------------------------------------------------------------
+
+
+class StagingRefused:
+    """A staging allocator that raises ``OutOfMemoryError`` its first ``failures`` times: device memory
+    short under vLLM's KV cache cannot be had on a CPU machine, so the allocator's answer is stood in for."""
+
+    def __init__(self, failures: int = 1) -> None:
+        self.left = failures
+
+    def __call__(self, nbytes: int, **where: Any) -> torch.Tensor:
+        if self.left:
+            self.left -= 1
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes (injected)")
+        return allocate_staging(nbytes, **where)
+
+
+def run_loads(
+    spec: Rig, clients: ClientPool, loads: int, *, refuse: dict[int, int] | None = None, timeout: float = 30.0,
+    **options: Any,
+) -> list[tuple[list[RankRun], float]]:
+    """``loads`` striped loads in a row through the same stores, threads over one ThreadExchange; rank ``r``'s
+    staging refused ``refuse[r]`` times. Per load: each rank's run, and the load's wall time."""
+    tp = spec.tp
+    leased = clients.acquire(tp)
+    exchange = ThreadExchange(tp, timeout=timeout, device_buffers=options.pop("device_buffers", False))
+    tensors = [spec.tensors() for _ in range(tp)]
+    out: list[tuple[list[RankRun], float]] = []
+    try:
+        with stored(spec, leased[0]):
+            for rank in range(tp):
+                register(leased[rank], tensors[rank])
+            recordings = [RecordingExchange(exchange.member(rank)) for rank in range(tp)]
+            refused = {rank: {"allocate": StagingRefused(failures)} for rank, failures in (refuse or {}).items()}
+            stores = [
+                spec.store(rank, leased[rank], tensors[rank], recordings[rank], **{**options, **refused.get(rank, {})})
+                for rank in range(tp)
+            ]
+            for _ in range(loads):
+                runs: list[RankRun | None] = [None] * tp
+                for tensor in (t for rank_tensors in tensors for t in rank_tensors):
+                    tensor.zero_()
+
+                def rank_main(rank: int) -> None:
+                    results = stores[rank].batch_get_into_multi_buffers(*spec.request(rank, tensors[rank]))
+                    wrong = spec.wrong(rank, tensors[rank], results)
+                    runs[rank] = RankRun(results, wrong, stores[rank].counts, collections.Counter(), recordings[rank],
+                                         stores[rank].broken)
+
+                started = time.monotonic()
+                threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(tp)]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join(2 * timeout)
+                assert all(run is not None for run in runs), "a rank did not finish its load"
+                out.append(([run for run in runs if run is not None], time.monotonic() - started))
+            for rank in range(tp):
+                unregister(leased[rank], tensors[rank])
+    finally:
+        clients.release(leased)
+    return out
+
+
+def test_a_rank_out_of_memory_for_its_staging_fails_nothing_and_its_peer_sees_it_at_once(
+    mooncake_master: MooncakeMaster, clients: ClientPool
+) -> None:
+    """Rank 1 cannot allocate its first piece's staging: it says so in that piece's headers, both ranks read
+    that piece's keys and the rest of the load themselves, and nobody waits out the exchange's timeout."""
+    spec = rig(keys=12, layers=2)
+    ((first, seconds), (second, _)) = run_loads(spec, clients, 2, refuse={1: 1}, piece_budget_bytes=2048)
+    assert seconds < 10  # the exchange's timeout is 30 s: no rank waited for a transfer that never came
+    for run in first:
+        assert run.wrong == [] and min(run.results) >= 0  # every key loaded: nothing for vLLM to recompute
+        assert run.counts.keys_failed == 0 and run.broken
+    assert (first[1].counts.staging_failures, first[0].counts.staging_failures) == (1, 0)
+    assert first[0].counts.peer_quits >= 1
+    # From the next load both read per rank: no exchange, every key whole.
+    calls = [len(run.exchange.sent) + len(run.exchange.received) for run in first]
+    assert [len(run.exchange.sent) + len(run.exchange.received) for run in second] == calls
+    assert all(run.wrong == [] and min(run.results) >= 0 for run in second)
+
+
+def test_a_quit_in_the_first_piece_reaches_a_rank_that_owns_nothing_of_it_later_in_the_load(
+    mooncake_master: MooncakeMaster, clients: ClientPool
+) -> None:
+    """Replica set of four, pieces of about two keys: rank 3 quits in the first piece, where ranks 2 and 3
+    own nothing to send; the quit headers keep going for the rest of the load, so every rank learns."""
+    spec = rig(tp=4, factor=4, keys=12, layers=1)
+    ((runs, seconds),) = run_loads(spec, clients, 1, refuse={3: 1}, piece_budget_bytes=1024)
+    assert seconds < 10
+    assert all(run.wrong == [] and min(run.results) >= 0 and run.broken for run in runs)
+    assert sum(run.counts.peer_quits for run in runs) >= 3
+
+
+def test_device_buffer_staging_is_reserved_once_when_the_store_is_built(
+    mooncake_master: MooncakeMaster, clients: ClientPool
+) -> None:
+    """An NCCL exchange takes device buffers: a piece within the budget stages in the reservation made at
+    registration, so a load allocates nothing (and cannot fail to, halfway through an exchange)."""
+    allocated: list[int] = []
+
+    def counting(nbytes: int, **where: Any) -> torch.Tensor:
+        allocated.append(nbytes)
+        return allocate_staging(nbytes, **where)
+
+    loads = run_loads(rig(keys=9, layers=2), clients, 2, device_buffers=True, piece_budget_bytes=4096, allocate=counting)
+    assert allocated == [4096, 4096]  # one reservation per rank, at construction
+    for runs, _ in loads:
+        assert all(run.wrong == [] and min(run.results) >= 0 and not run.broken for run in runs)
+        assert all(0 < run.counts.peak_device_staging_bytes <= 4096 for run in runs)

@@ -308,13 +308,19 @@ def test_every_field_has_a_description_in_the_schema() -> None:
 # --- the builder --------------------------------------------------------------------------------
 
 
-def test_the_builder_writes_the_connector_and_the_policy_only_when_nothing_else_is_set() -> None:
+def test_the_builder_writes_the_connector_the_policy_and_recompute_on_load_failures_when_nothing_else_is_set() -> None:
     assert KVPolicySettings(kvpolicy="default").kv_transfer_config() == {
         "kv_connector": "KVPolicyConnector",
         "kv_connector_module_path": "kvpolicy.vllm",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"kvpolicy": "default"},
     }
+
+
+def test_the_builder_keeps_a_load_failure_policy_given_explicitly() -> None:
+    config = KVPolicySettings(kvpolicy="default").kv_transfer_config(kv_load_failure_policy="fail")
+    assert config["kv_load_failure_policy"] == "fail"
 
 
 def test_the_builder_writes_the_strict_override_as_the_mapping_form() -> None:

@@ -236,13 +236,13 @@ def unit(key: str, sizes: tuple[int, ...], index: int = 0) -> StripeUnit:
 
 def test_a_block_lays_its_keys_out_slot_major_when_they_share_region_sizes() -> None:
     block = StripeBlock(0, 0, (0, 1), (unit("a", (10, 20)), unit("b", (10, 20), 1)), offset=0)
-    header = FINGERPRINT_BYTES + 2
+    header = 16  # the fingerprint and two flags, padded to 8 bytes
     assert block.region_offsets() == ((header, header + 20), (header + 10, header + 40))
 
 
 def test_a_block_of_keys_with_different_region_sizes_lays_them_out_one_key_after_another() -> None:
     block = StripeBlock(0, 0, (0, 1), (unit("a", (10, 20)), unit("b", (5,), 1)), offset=100)
-    start = 100 + FINGERPRINT_BYTES + 2
+    start = 100 + 16
     assert block.region_offsets() == ((start, start + 10), (start + 30,))
 
 
@@ -253,6 +253,23 @@ def test_a_header_carries_the_owners_read_results_and_is_refused_for_another_blo
     resized = StripeBlock(0, 0, (0, 1), (unit("a", (8,)), unit("b", (4, 4), 1)), offset=0)
     assert other.read_header(block.header([True, True])) is None
     assert resized.read_header(block.header([True, True])) is None
+
+
+@pytest.mark.parametrize("keys", [1, 7, 8, 9, 100])
+def test_a_blocks_payload_starts_eight_byte_aligned_whatever_its_key_count(keys: int) -> None:
+    block = StripeBlock(0, 0, (0, 1), tuple(unit(f"k{i}", (64,), i) for i in range(keys)), offset=64)
+    assert block.payload_offset % 8 == 0
+    assert block.header_bytes - FINGERPRINT_BYTES - keys < 8  # no more padding than alignment needs
+    assert len(block.header([True] * keys)) == len(block.quit_header()) == block.header_bytes
+
+
+def test_a_quit_header_reads_as_nothing_read_and_as_its_owner_quitting() -> None:
+    block = StripeBlock(0, 0, (0, 1), (unit("a", (8,)), unit("b", (8,), 1)), offset=0)
+    assert block.read_header(block.quit_header()) == (False, False)
+    assert block.quits(block.quit_header())
+    assert not block.quits(block.header([False, False])) and not block.quits(block.header([True, True]))
+    other = StripeBlock(0, 0, (0, 1), (unit("a", (8,)), unit("c", (8,), 1)), offset=0)
+    assert not other.quits(block.quit_header())
 
 
 # --- index runs -------------------------------------------------------------------------------------

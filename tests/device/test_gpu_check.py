@@ -8,6 +8,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -39,9 +40,27 @@ def test_every_check_passes_on_cpu_tensors_with_nothing_skipped() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     report = json.loads(done.stdout)
-    assert (report["kind"], report["version"], report["device"]) == ("GpuCheckReport", 1, "cpu")
+    assert (report["kind"], report["version"], report["devices"]) == ("GpuCheckReport", 2, [{"device": "cpu"}])
     outcomes = {check["name"]: check["outcome"] for check in report["checks"]}
-    assert outcomes == {"mooncake": "passed", "audit": "passed", "striped": "passed"}
+    assert {name: outcomes.pop(name) for name in ("mooncake", "audit", "striped")} == dict.fromkeys(
+        ("mooncake", "audit", "striped"), "passed"
+    )
+    # The two-GPU check cannot apply to a CPU; RDMA applies where the host has a device.
+    assert outcomes["striped-nccl"] == "not applicable"
+    assert outcomes["rdma"] == ("not applicable" if not Path("/sys/class/infiniband").is_dir() else "passed")
+    assert report["verdict"].startswith("passed")
+    (striped,) = [check for check in report["checks"] if check["name"] == "striped"]
+    assert "on a worker thread" in striped["detail"]
+
+
+def test_a_worker_thread_runs_the_load_off_the_main_thread_and_hands_back_its_error(gpu_check: ModuleType) -> None:
+    assert gpu_check.on_worker_thread(lambda: threading.current_thread() is threading.main_thread()) is False
+
+    def fails() -> None:
+        raise gpu_check.WrongBytes("byte 1 is 2, 3 was written")
+
+    with pytest.raises(gpu_check.WrongBytes, match="byte 1"):
+        gpu_check.on_worker_thread(fails)
 
 
 class FlipFirstByteAfterGet:
@@ -73,6 +92,50 @@ def test_a_wrong_byte_read_back_fails_the_mooncake_check(gpu_check: ModuleType, 
     result = gpu_check.run_check("mooncake", gpu_check.check_mooncake, gpu_check.pick_device("cpu"))
     assert result.outcome == "failed"
     assert "byte 0 is" in result.detail
+
+
+def test_a_check_needing_two_gpus_is_not_applicable_on_one_device_and_passes_strict(
+    gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result = gpu_check.run_check("striped-nccl", gpu_check.check_striped_nccl, [gpu_check.pick_device("cpu")])
+    assert (result.outcome, result.detail) == ("not applicable", "needs two GPUs; 0 checked here")
+    monkeypatch.setattr(gpu_check, "CHECKS", {"striped-nccl": gpu_check.CHECKS["striped-nccl"]})
+    assert gpu_check.main(["--device", "cpu", "--strict"]) == 0
+
+
+def test_every_visible_gpu_is_checked_once_per_device_check(gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = require("torch")
+    # A host with three GPUs cannot exist on this CPU machine: torch's answers stand in for it.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    devices = gpu_check.pick_devices("auto")
+    assert [str(device) for device in devices] == ["cuda:0", "cuda:1", "cuda:2"]
+    seen: list[str] = []
+    monkeypatch.setattr(gpu_check, "CHECKS", {
+        "each": lambda device: seen.append(str(device)) or "ok",
+        "across": gpu_check.Check(lambda targets: seen.append(",".join(map(str, targets))) or "ok", across=True),
+    })
+    results = gpu_check.run_checks(["each", "across"], devices)
+    assert seen == ["cuda:0", "cuda:1", "cuda:2", "cuda:0,cuda:1,cuda:2"]
+    assert [(result.name, result.device) for result in results] == [
+        ("each", "cuda:0"), ("each", "cuda:1"), ("each", "cuda:2"), ("across", "cuda:0,cuda:1,cuda:2")
+    ]
+
+
+def test_the_report_file_has_the_date_the_versions_and_each_checks_verdict(
+    gpu_check: ModuleType, tmp_path: Path
+) -> None:
+    torch = require("torch")
+    report = tmp_path / "gpu-check.md"
+    assert gpu_check.main(["--device", "cpu", "--only", "audit", "--only", "striped-nccl", "--report", str(report)]) == 0
+    text = report.read_text()
+    lines = text.splitlines()
+    assert lines[0].startswith("#### 20") and lines[0].endswith("scripts/gpu_check.py on cpu")
+    for field in ("date: 20", "kvpolicy: 0.", "python: 3.", f"torch: {torch.__version__}", "devices: cpu", "command: "):
+        assert any(line.startswith(f"- {field}") for line in lines), field
+    assert "| audit | cpu | passed |" in text
+    assert "| striped-nccl | cpu | not applicable |" in text
+    assert lines[-1] == "Verdict: passed (1 passed, 0 failed, 0 skipped, 1 not applicable)."
 
 
 def test_a_failed_check_makes_the_exit_status_one(gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
