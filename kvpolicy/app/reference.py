@@ -21,6 +21,7 @@ import ast
 import contextlib
 import io
 import json
+import os
 import re
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -45,9 +46,10 @@ with the reference computed afresh."""
 END = "<!-- /kvpolicy-reference: {name} -->"
 """The end of a reference written into its page."""
 
-SITE_URL = "https://kvpolicy.example/"
-"""Where the documentation site is published: ``site_url`` in ``mkdocs.yml`` (a test holds the two equal).
-``kvpolicy rule CODE`` prints the code's page under it."""
+DOCS_URL_VARIABLE = "KVPOLICY_DOCS_URL"
+"""The environment variable naming where a deployment publishes this site (``site_url`` in ``mkdocs.yml``
+reads it too). kvpolicy has no public site of its own: without it, ``kvpolicy rule CODE`` names the page
+in a checkout, where it reads whole."""
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 """The documentation's source, in a checkout."""
@@ -113,9 +115,13 @@ def diagnostic_page(check: Check) -> str:
     return f"reference/diagnostics/{check.code.lower()}.md"
 
 
-def diagnostic_url(check: Check) -> str:
-    """The code's page on the published site (:data:`SITE_URL`, directory URLs as MkDocs writes them)."""
-    return f"{SITE_URL}{diagnostic_page(check).removesuffix('.md')}/"
+def diagnostic_location(check: Check, environ: Mapping[str, str] = os.environ) -> str:
+    """Where the code's page is: on the site :data:`DOCS_URL_VARIABLE` names (directory URLs, as MkDocs
+    writes them), else its source in a checkout (``docs/reference/diagnostics/kvp203.md``)."""
+    site = environ.get(DOCS_URL_VARIABLE, "").strip()
+    if site:
+        return f"{site.rstrip('/')}/{diagnostic_page(check).removesuffix('.md')}/"
+    return f"docs/{diagnostic_page(check)} in a kvpolicy checkout (bash scripts/run.sh docs builds the site)"
 
 
 def _example_text(title: str, example: Example) -> list[str]:
@@ -133,7 +139,7 @@ def rule_text(check: Check) -> str:
         f"{check.code} {check.name} ({check.severity})", "", check.summary, "",
         "What it does", "", check.explanation, "", "Why it matters", "", check.why, "",
         *_example_text("Example", check.example), *_example_text("Use instead", check.fixed),
-        f"Documentation: {diagnostic_url(check)}",
+        f"Documentation: {diagnostic_location(check)}",
     ]
     return "\n".join(lines) + "\n"
 

@@ -33,7 +33,16 @@ def test_rule_shows_why_it_matters_the_fixed_example_and_the_pages_url(capsys: p
     _, out, _ = run(capsys, "rule", "KVP102")
     fixed = out.split("\nUse instead\n", 1)[1]
     assert check.why in out and "replication: sharded" in fixed and "policy.yaml: ok, ReplicationPolicy" in fixed
-    assert "[KVP102]" not in fixed and out.rstrip().endswith("/reference/diagnostics/kvp102/")
+    assert "[KVP102]" not in fixed
+    assert out.splitlines()[-1].startswith("Documentation: docs/reference/diagnostics/kvp102.md in a kvpolicy checkout")
+
+
+def test_rule_names_the_page_on_the_deployments_site_where_one_is_published(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVPOLICY_DOCS_URL", "https://docs.example.org/kvpolicy")
+    _, out, _ = run(capsys, "rule", "KVP102")
+    assert out.splitlines()[-1] == "Documentation: https://docs.example.org/kvpolicy/reference/diagnostics/kvp102/"
 
 
 def test_rule_accepts_a_lowercase_code_or_a_checks_name(capsys: pytest.CaptureFixture[str]) -> None:
