@@ -83,7 +83,7 @@ def make_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):  # -> PreTrainedToke
 
 
 
-def _redraw(name: str, shape: Any, generator: Any, init_std: float) -> Any:
+def redraw(name: str, shape: Any, generator: Any, init_std: float) -> Any:
     """The value a parameter named *name* gets: see the module docstring."""
     import torch
 
@@ -114,7 +114,7 @@ def _save(config: Any, directory: str | os.PathLike[str], *, dtype: str, init_st
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, parameter in sorted(model.named_parameters()):
-                parameter.copy_(_redraw(name, parameter.shape, generator, init_std))
+                parameter.copy_(redraw(name, parameter.shape, generator, init_std))
     model = model.to(torch_dtype).eval()
     model.config.dtype = dtype
     model.save_pretrained(target, safe_serialization=True)

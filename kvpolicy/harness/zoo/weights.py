@@ -16,22 +16,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+
+from kvpolicy.harness.tinymodel import redraw
 
 INIT_STD = 0.2
-
-
-def _redraw(name: str, shape: Any, generator: Any, init_std: float) -> Any:
-    import torch
-
-    leaf = name.rsplit(".", 1)[-1]
-    if "norm" in name and leaf == "weight":
-        return torch.ones(shape)
-    if leaf == "A_log":
-        return torch.rand(shape, generator=generator) * 1.5
-    if leaf == "dt_bias":
-        return torch.zeros(shape)
-    return torch.randn(shape, generator=generator) * init_std
 
 
 def write_checkpoint(directory: str | os.PathLike[str], *, dtype: str, seed: int = 0, init_std: float = INIT_STD) -> Path:
@@ -48,7 +36,7 @@ def write_checkpoint(directory: str | os.PathLike[str], *, dtype: str, seed: int
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, parameter in sorted(model.named_parameters()):
-                parameter.copy_(_redraw(name, parameter.shape, generator, init_std))
+                parameter.copy_(redraw(name, parameter.shape, generator, init_std))
     model = model.to(getattr(torch, dtype)).eval()
     written = (target / "config.json").read_text()
     model.save_pretrained(target, safe_serialization=True)
