@@ -97,14 +97,11 @@ def redraw(name: str, shape: Any, generator: Any, init_std: float) -> Any:
     return torch.randn(shape, generator=generator) * init_std
 
 
-def _save(config: Any, directory: str | os.PathLike[str], *, dtype: str, init_std: float, seed: int) -> Path:
-    """Instantiate *config*'s model, re-draw its weights, save it with the tokenizer; return the directory."""
+def seeded_model(config: Any, *, dtype: str, init_std: float, seed: int) -> Any:
+    """*config*'s transformers model with every weight re-drawn (:func:`redraw`), in *dtype*, for inference."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    target = Path(directory)
-    target.mkdir(parents=True, exist_ok=True)
-    torch_dtype = getattr(torch, dtype)
     # fork_rng: seeding must not disturb the caller's global RNG.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -115,7 +112,14 @@ def _save(config: Any, directory: str | os.PathLike[str], *, dtype: str, init_st
         with torch.no_grad():
             for name, parameter in sorted(model.named_parameters()):
                 parameter.copy_(redraw(name, parameter.shape, generator, init_std))
-    model = model.to(torch_dtype).eval()
+    return model.to(getattr(torch, dtype)).eval()
+
+
+def _save(config: Any, directory: str | os.PathLike[str], *, dtype: str, init_std: float, seed: int) -> Path:
+    """Instantiate *config*'s model, re-draw its weights, save it with the tokenizer; return the directory."""
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    model = seeded_model(config, dtype=dtype, init_std=init_std, seed=seed)
     model.config.dtype = dtype
     model.save_pretrained(target, safe_serialization=True)
     make_tokenizer().save_pretrained(target)

@@ -68,6 +68,15 @@ def a_value(action: argparse.Action) -> str:
     raise AssertionError(f"no sample value for {action.option_strings}")
 
 
+def plugin_layout(directory: Path) -> Path:
+    """DeepSeek-V3's example layout with its group's class renamed to a plugin's, ``ConvStateSpec``."""
+    text = (REPO / "examples" / "layouts" / "deepseek-v3.yaml").read_text()
+    assert "type: MLAAttentionSpec" in text
+    layout = directory / "plugin-layout.yaml"
+    layout.write_text(text.replace("type: MLAAttentionSpec", "type: ConvStateSpec", 1))
+    return layout
+
+
 # --- flags of several values ---------------------------------------------------------------------
 
 
@@ -326,10 +335,7 @@ def test_plan_warns_of_a_class_neither_vllm_nor_the_layout_declares_with_the_lay
             match: {spec: [ConvStateSpc]}
             replication: sharded
         """))
-    layout = tmp_path / "plugin-layout.yaml"
-    text = (REPO / "examples" / "layouts" / "deepseek-v3.yaml").read_text()
-    assert "type: MLAAttentionSpec" in text
-    layout.write_text(text.replace("type: MLAAttentionSpec", "type: ConvStateSpec", 1))
+    layout = plugin_layout(tmp_path)
     code, _, err = run(capsys, "plan", "--policy", str(policy), "--layout", str(layout), "--tp", "2")
     assert code == 0
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
@@ -428,9 +434,7 @@ def test_validate_suggests_a_class_a_layout_beside_the_policy_declares(tmp_path:
             match: {spec: [ConvStateSpec]}
             replication: sharded
         """))
-    layout = tmp_path / "plugin-layout.yaml"
-    layout.write_text((REPO / "examples" / "layouts" / "deepseek-v3.yaml").read_text().replace(
-        "type: MLAAttentionSpec", "type: ConvStateSpec", 1))
+    layout = plugin_layout(tmp_path)
     alone = run(capsys, "validate", str(policy))[1]
     assert alone.count("[KVP201]") == 2  # on its own, neither class is known
     _, out, _ = run(capsys, "validate", str(policy), str(layout))

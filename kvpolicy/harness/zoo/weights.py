@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvpolicy.harness.tinymodel import redraw
+from kvpolicy.harness.tinymodel import seeded_model
 
 INIT_STD = 0.2
 
@@ -25,19 +25,10 @@ INIT_STD = 0.2
 def write_checkpoint(directory: str | os.PathLike[str], *, dtype: str, seed: int = 0, init_std: float = INIT_STD) -> Path:
     """Instantiate the model of ``directory/config.json`` with transformers, redraw its weights and
     save them beside it (``model.safetensors``); return the directory."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     target = Path(directory)
-    config = AutoConfig.from_pretrained(target)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, parameter in sorted(model.named_parameters()):
-                parameter.copy_(redraw(name, parameter.shape, generator, init_std))
-    model = model.to(getattr(torch, dtype)).eval()
+    model = seeded_model(AutoConfig.from_pretrained(target), dtype=dtype, init_std=init_std, seed=seed)
     written = (target / "config.json").read_text()
     model.save_pretrained(target, safe_serialization=True)
     # save_pretrained rewrites config.json (transformers' class name, its own defaults): keep the copy's.
