@@ -379,7 +379,8 @@ def _command_example_markdown(example: Any) -> list[str]:
 
 
 def run_command_example(command: str) -> ExampleRun:
-    """Run ``kvpolicy ARGS`` in-process from the checkout's root (paths in examples are relative to it)."""
+    """Run ``kvpolicy ARGS`` in-process from the checkout's root (paths in examples are relative to it, and
+    so are the paths it prints)."""
     import shlex
 
     from kvpolicy.app.cli import main
@@ -390,7 +391,8 @@ def run_command_example(command: str) -> ExampleRun:
             code = main(shlex.split(command)[1:])
         except SystemExit as exit_:
             code = int(exit_.code or 0)
-    return ExampleRun(command, code, captured.getvalue())
+    # Shown relative to the checkout, as a reader in it sees them: the page must not depend on where it was built.
+    return ExampleRun(command, code, captured.getvalue().replace(f"{DOCS.parent}/", ""))
 
 
 def cli_markdown(parser: argparse.ArgumentParser | None = None) -> str:

@@ -438,6 +438,14 @@ def test_the_reference_pages_hold_their_references_as_the_code_writes_them_now()
     assert len(pages) == 7 + len(CHECKS)
 
 
+def test_the_reference_pages_do_not_depend_on_where_the_checkout_lies() -> None:
+    """CI builds them in another folder than the one they were written in: a path of this checkout
+    printed by an example would make them stale there."""
+    holding_the_checkout = [str(path.relative_to(REPO)) for path, text in reference.expected_reference_pages().items()
+                            if str(REPO) in text]
+    assert holding_the_checkout == []
+
+
 def test_a_written_reference_is_replaced_at_build_and_kept_between_its_markers() -> None:
     page = "intro\n<!-- kvpolicy-reference: diagnostics -->\nOLD\n<!-- /kvpolicy-reference: diagnostics -->\nend\n"
     assert "OLD" not in reference.expand(page) and "kvpolicy-reference" not in reference.expand(page)
