@@ -183,7 +183,7 @@ class Engine:
         return self.send({"prompt": prompt})
 
     def stop(self) -> None:
-        from kvpolicy.harness.e2e import kill_group
+        from kvpolicy.harness.shm import kill_group
 
         with contextlib.suppress(OSError, ValueError):
             assert self.process.stdin is not None

@@ -160,6 +160,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "e2e/test_hybrid_engine.py": "engine",
     "e2e/test_layer_kv_heads_engine.py": "engine",
     "e2e/test_load_failure_engine.py": "engine",
+    "e2e/test_shared_memory_reclaim.py": "contract",
     "e2e/test_openai_server.py": "engine",
     "e2e/test_vllm_engine.py": "engine",
     "e2e/test_zoo_engine.py": "engine",

@@ -20,7 +20,6 @@ import json
 import os
 import random
 import selectors
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpolicy.harness.shm import kill_group
 from kvpolicy.mooncake.host import LOOPBACK, NetworkHost
 from kvpolicy.mooncake.metrics import MasterCounters, delta
 
@@ -265,14 +265,6 @@ def child_env(extra: Mapping[str, str], python_path: Sequence[str | os.PathLike[
     ]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env
-
-
-def kill_group(process: subprocess.Popen[Any]) -> None:
-    """SIGKILL the child's process group (the child and the workers it forked), then reap it."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(10)
 
 
 def _tail(text: str, lines: int = _TAIL_LINES) -> str:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.harness.e2e import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, child_env, engine_env, kill_group
+from kvpolicy.harness.e2e import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, child_env, engine_env
+from kvpolicy.harness.shm import kill_group
 from kvpolicy.mooncake.host import LOOPBACK, NetworkHost
 
 STARTUP_TIMEOUT_S = 300.0
