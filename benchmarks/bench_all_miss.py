@@ -70,10 +70,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import median_ci, table, verdict  # noqa: E402
-from bench_e2e import Engine  # noqa: E402
+from _common import median_ci, table, verdict
+from bench_e2e import Engine
 
-from kvpolicy.settings import KVPolicySettings  # noqa: E402
+from kvpolicy.settings import KVPolicySettings
 
 TTFT_TARGET = 1.03
 """kvpolicy TTFT / no-connector TTFT at most this."""

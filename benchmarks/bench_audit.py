@@ -17,8 +17,8 @@ mismatch, the re-plan). "prefill" is ``LLM.generate``'s wall time, audit on vs o
 of each example layout at ``--digest-tp`` under ``default``, the capped blocks of one step
 (:data:`~kvpolicy.vllm.audit.AUDIT_REQUESTS_PER_STEP` requests x
 :data:`~kvpolicy.vllm.audit.AUDIT_BLOCKS_PER_REQUEST` blocks, all layers of the group) read through
-:class:`~kvpolicy.vllm.audit.BlockReader` from CPU tensors and hashed by
-:func:`~kvpolicy.vllm.audit.local_digests`. On a GPU add one device-to-host copy of the same bytes.
+:class:`~kvpolicy.device.blocks.BlockReader` from CPU tensors and hashed by
+:func:`~kvpolicy.device.blocks.local_digests`. On a GPU add one device-to-host copy of the same bytes.
 
     python benchmarks/bench_audit.py [--tp 2 4] [--tokens 4096] [--repeat 1] [--skip-engine] [--digest-tp 8]
 """
@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import REPO, group_block_caches, table  # noqa: E402
+from _common import REPO, group_block_caches, table
 
 STEP_LINE = re.compile(
     r"kvpolicy audit step (\d+)/(\d+): (\d+) blocks per rank \((.*?)\); "
@@ -149,10 +149,11 @@ def engine_part(args: argparse.Namespace) -> None:
 
 def digest_part(args: argparse.Namespace) -> None:
     from kvpolicy.audit import audited_groups
+    from kvpolicy.device.blocks import local_digests
     from kvpolicy.engine import make_plan
     from kvpolicy.loader import layouts_dir, load_layout, load_policy
     from kvpolicy.models import Topology
-    from kvpolicy.vllm.audit import AUDIT_BLOCKS_PER_REQUEST, AUDIT_REQUESTS_PER_STEP, local_digests
+    from kvpolicy.vllm.audit import AUDIT_BLOCKS_PER_REQUEST, AUDIT_REQUESTS_PER_STEP
 
     blocks = AUDIT_REQUESTS_PER_STEP * AUDIT_BLOCKS_PER_REQUEST
     body = []

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import REPO, table  # noqa: E402
+from _common import REPO, table
 
 TARGET_SECONDS = 1.0
 TARGET_MIB = 200
@@ -38,14 +38,21 @@ def write_inputs(directory: Path) -> dict[str, Path]:
     for index in range(1000):
         kind = index % 10
         if kind == 0:
-            rules.append(f"  - name: glob-{index}\n    reason: r\n    match: {{spec: AttentionSpec, layers: ['g{index % 200}.*']}}\n    factor: 1\n")
+            rules.append(
+                f"  - name: glob-{index}\n    reason: r\n"
+                f"    match: {{spec: AttentionSpec, layers: ['g{index % 200}.*']}}\n    factor: 1\n"
+            )
         elif kind < 4:
             rules.append(
-                f"  - name: field-{index}\n    reason: r\n    match: {{spec: MambaSpec, fields: {{mamba_type: t{index}, tp_replicated: true}}}}\n"
+                f"  - name: field-{index}\n    reason: r\n"
+                f"    match: {{spec: MambaSpec, fields: {{mamba_type: t{index}, tp_replicated: true}}}}\n"
                 "    replication: replicated\n"
             )
         else:
-            rules.append(f"  - name: spec-{index}\n    reason: r\n    match: {{spec: [FullAttentionSpec, Plugin{index}Spec]}}\n    replication: sharded\n")
+            rules.append(
+                f"  - name: spec-{index}\n    reason: r\n"
+                f"    match: {{spec: [FullAttentionSpec, Plugin{index}Spec]}}\n    replication: sharded\n"
+            )
     files["rules-1000"] = directory / "rules.yaml"
     files["rules-1000"].write_text("version: 1\nkind: ReplicationPolicy\nname: big\nrules:\n" + "".join(rules))
     groups = "".join(
@@ -103,10 +110,16 @@ def main(argv: list[str] | None = None) -> int:
             "validate layers-200k": ["validate", str(files["layers-200k"])],
             "validate junk-1mb": ["validate", str(files["junk-1mb"])],
             "validate aliases": ["validate", str(files["aliases"])],
-            "plan rules-1000 x layers-20k, tp 8": ["plan", "--policy", str(files["rules-1000"]), "--layout", str(files["layers-20k"]), "--tp", "8"],
+            "plan rules-1000 x layers-20k, tp 8": [
+                "plan", "--policy", str(files["rules-1000"]), "--layout", str(files["layers-20k"]), "--tp", "8"
+            ],
             "plan default x layers-200k, tp 8": ["plan", "--policy", "default", "--layout", str(files["layers-200k"]), "--tp", "8"],
-            "explain rules-1000 x layers-20k, tp 8": ["explain", "--policy", str(files["rules-1000"]), "--layout", str(files["layers-20k"]), "--tp", "8"],
-            "diff default rules-1000 x layers-20k, tp 1..8": ["diff", "default", str(files["rules-1000"]), "--layout", str(files["layers-20k"])],
+            "explain rules-1000 x layers-20k, tp 8": [
+                "explain", "--policy", str(files["rules-1000"]), "--layout", str(files["layers-20k"]), "--tp", "8"
+            ],
+            "diff default rules-1000 x layers-20k, tp 1..8": [
+                "diff", "default", str(files["rules-1000"]), "--layout", str(files["layers-20k"])
+            ],
         }
         rows = []
         baseline = None
@@ -125,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(("command", "exit", "seconds", "vs baseline", "peak MiB"), rows))
     print()
-    print(f"target: every command under {TARGET_SECONDS:.0f} s and {TARGET_MIB} MiB: " + ("MET" if not misses else "MISSED: " + "; ".join(misses)))
+    verdict = "MET" if not misses else "MISSED: " + "; ".join(misses)
+    print(f"target: every command under {TARGET_SECONDS:.0f} s and {TARGET_MIB} MiB: {verdict}")
     return 0
 
 

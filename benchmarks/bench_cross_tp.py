@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import example_layouts, table  # noqa: E402
+from _common import example_layouts, table
 
 
 def _pair(text: str) -> tuple[int, int]:

@@ -60,9 +60,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import example_layouts, median, median_ci, table, verdict  # noqa: E402
+from _common import example_layouts, median, median_ci, table, verdict
 
-from kvpolicy.keys import chunk_key, split_chunk_key  # noqa: E402
+from kvpolicy.keys import chunk_key, split_chunk_key
 
 DEFAULT_LAYOUTS = (
     "llama-3.1-70b", "deepseek-v3", "gpt-oss-120b", "kimi-linear-48b-a3b", "qwen3-next-80b-a3b", "nemotron-h-8b",

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import group_block_caches, table  # noqa: E402
+from _common import group_block_caches, table
 
 STEP_LINE = re.compile(
     r"kvpolicy discover step (\d+)/(\d+): (\d+) layer blocks per rank; digest ([\d.]+) ms, gather ([\d.]+) ms, "

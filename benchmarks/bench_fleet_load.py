@@ -35,12 +35,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import table  # noqa: E402
+from _common import table
 
-from kvpolicy.harness.fleet.hosts import HostFleet, kv_transfer_config  # noqa: E402
-from kvpolicy.harness.fleet.load import LoadReport, run_load, shared_prefix_prompts  # noqa: E402
-from kvpolicy.harness.server import metric_value  # noqa: E402
-from kvpolicy.harness.tinymodel import make_tiny_llama  # noqa: E402
+from kvpolicy.harness.fleet.hosts import HostFleet, kv_transfer_config
+from kvpolicy.harness.fleet.load import LoadReport, run_load, shared_prefix_prompts
+from kvpolicy.harness.server import metric_value
+from kvpolicy.harness.tinymodel import make_tiny_llama
 
 SERVER_ARGS = ("--no-enable-prefix-caching", "--enable-prompt-tokens-details")
 

@@ -91,7 +91,7 @@ def run(arch: str, policy_label: str, master: MooncakeMaster, store_config: Path
     ]
 
 
-def _topology():  # noqa: ANN202
+def _topology():
     from kvpolicy.models import Topology
 
     return Topology(tp_size=2)

@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import DEFAULT_POLICIES, example_layouts, median, table  # noqa: E402
+from _common import DEFAULT_POLICIES, example_layouts, median, table
 
 
 class LookupChanged(RuntimeError):

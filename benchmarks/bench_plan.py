@@ -43,7 +43,11 @@ TARGET = 1.5
 SPECS = [
     ("MLAAttentionSpec", ["FullAttentionSpec", "AttentionSpec", "KVCacheSpec"], {"num_kv_heads": 1, "head_size": 576, "max_tp_shards": 1}),
     ("FullAttentionSpec", ["AttentionSpec", "KVCacheSpec"], {"num_kv_heads": 8, "head_size": 128, "max_tp_shards": None}),
-    ("SlidingWindowSpec", ["AttentionSpec", "KVCacheSpec"], {"num_kv_heads": 8, "head_size": 64, "sliding_window": 128, "max_tp_shards": None}),
+    (
+        "SlidingWindowSpec",
+        ["AttentionSpec", "KVCacheSpec"],
+        {"num_kv_heads": 8, "head_size": 64, "sliding_window": 128, "max_tp_shards": None},
+    ),
     ("MambaSpec", ["KVCacheSpec"], {"shapes": [[3, 8192], [32, 128, 128]], "tp_replicated": False}),
 ]
 

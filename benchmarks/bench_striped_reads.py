@@ -49,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import REPO, example_layouts, median, median_ci, table  # noqa: E402
+from _common import REPO, example_layouts, median, median_ci, table
 
 
 def _reads(instance: Any) -> tuple[dict[str, int], int, int]:
@@ -121,8 +121,8 @@ def measure_layout(stem: str, layout: Any, tp: int, args: argparse.Namespace, ma
 
 def _stripe_counts(instance: Any) -> list[Any]:
     """Each striped rank's cumulative ``StripeCounts`` (none where striping is not installed)."""
-    from kvpolicy.vllm.read_failures import RecordingReadStore
-    from kvpolicy.vllm.striped import StripedReadStore
+    from kvpolicy.device.striped import StripedReadStore
+    from kvpolicy.runtime.read_failures import RecordingReadStore
 
     found = []
     for rank in instance.ranks:
@@ -214,7 +214,7 @@ def gpu_shape(stem: str, layout: Any, tp: int, tokens: int, budget: int) -> tupl
             chunks, layers, region = shapes[group.index]
             shard = group.ranks[rank].replica_set[0]
             first_tensor = len(starts)
-            for layer in range(layers):  # one KV tensor per layer, a block per chunk
+            for _ in range(layers):  # one KV tensor per layer, a block per chunk
                 starts.append((len(starts) + 1) << 40)
                 lengths.append(chunks * region)
             for chunk in range(chunks):

@@ -46,14 +46,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import DEFAULT_POLICIES, example_layouts, table  # noqa: E402
+from _common import DEFAULT_POLICIES, example_layouts, table
 
 
 def vllm_accepts(layout: object, tp_size: int, dcp_size: int) -> bool:
@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"Write amplification of a cold save (objects / unique objects, bytes / unique bytes): {args.tokens}-token "
         "prompt, simulated TP ranks through vLLM's send threads and a real Mooncake master; real vLLM spec "
-        "classes built from examples/layouts/ and the synthetic nas-like layout, SCALED DOWN (attention 1 KV head x 32 per rank, Mamba dims <= 4, block 16, "
+        "classes built from examples/layouts/ and the synthetic nas-like layout, SCALED DOWN (attention 1 KV head "
+        "x 32 per rank, Mamba dims <= 4, block 16, "
         + (f"first {args.layers_per_group} layers per group" if args.layers_per_group else "all layers")
         + "). objects = master_batch_put_end_items_total; bytes = master_allocated_bytes; unique = distinct "
         "shards under the PHYSICAL factor (per layer, from the layer's own KV heads) x chunks stored. Per-group "

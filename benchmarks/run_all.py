@@ -1,6 +1,9 @@
 """Run every benchmark, one process each, and print their tables as Markdown (what benchmarks/README.md shows).
 
-    python benchmarks/run_all.py [--only plan cli write_amplification cross_tp data_path lookup striped_reads e2e all_miss audit discovery hybrid_engines fleet_load] [--skip e2e]
+    python benchmarks/run_all.py [--only NAME ...] [--skip NAME ...]
+
+NAME is one of plan, cli, write_amplification, cross_tp, data_path, lookup, striped_reads, e2e, all_miss,
+audit, discovery, hybrid_engines, fleet_load (e.g. ``--skip e2e``).
 
 Each benchmark starts and stops its own Mooncake master (``bench_plan`` needs none); they run one after
 the other, so none measures while another loads the machine. Default arguments throughout: about

@@ -154,7 +154,7 @@ def relative_distance(a: Sequence[float], b: Sequence[float]) -> float:
     out; NaN against a number, or infinities, give NaN or ``inf``, which no tolerance accepts."""
     if len(a) != len(b):
         return math.inf
-    pairs = [(x, y) for x, y in zip(a, b) if not (x != x and y != y)]
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if not (x != x and y != y)]
     difference = math.fsum((x - y) * (x - y) for x, y in pairs)
     scale = max(math.fsum(x * x for x, _ in pairs), math.fsum(y * y for _, y in pairs))
     if scale == 0:

@@ -16,12 +16,13 @@ import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import Any, cast
 
 MAX_SOURCE_LENGTH = 1000
 MAX_DEPTH = 32
 MAX_INT = 2**63 - 1
 
-Value = int | bool | str | None | tuple
+Value = int | bool | str | None | tuple[Any, ...]
 
 _BINARY: dict[type[ast.operator], Callable[[int, int], int]] = {
     ast.Add: operator.add,
@@ -30,7 +31,9 @@ _BINARY: dict[type[ast.operator], Callable[[int, int], int]] = {
     ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
 }
-_COMPARE: dict[type[ast.cmpop], Callable[[Value, Value], bool]] = {
+# Any, not Value: the validator lets only comparable operands reach an ordering (typeshed types operator.lt
+# for operands that support it).
+_COMPARE: dict[type[ast.cmpop], Callable[[Any, Any], bool]] = {
     ast.Eq: operator.eq,
     ast.NotEq: operator.ne,
     ast.Lt: operator.lt,
@@ -85,7 +88,7 @@ class Expression:
     source: str
 
     def __post_init__(self) -> None:
-        self._tree  # parse eagerly so an invalid expression never exists
+        _ = self._tree  # parse eagerly so an invalid expression never exists
 
     @cached_property
     def _tree(self) -> ast.expr:
@@ -178,10 +181,10 @@ def _check_tree(node: ast.AST, depth: int) -> None:
         case ast.BoolOp() | ast.IfExp():
             pass
         case ast.Compare(ops=ops, comparators=comparators):
-            for op, right in zip(ops, comparators, strict=True):
-                if type(op) not in _COMPARE:
+            for comparison, right in zip(ops, comparators, strict=True):
+                if type(comparison) not in _COMPARE:
                     raise ExpressionError("'in' and 'not in' are not allowed", column)
-                if isinstance(op, (ast.Is, ast.IsNot)) and not (
+                if isinstance(comparison, (ast.Is, ast.IsNot)) and not (
                     isinstance(right, ast.Constant) and right.value is None
                 ):
                     raise ExpressionError("'is' and 'is not' may only compare with None", column)
@@ -248,7 +251,8 @@ def _compile_node(node: ast.AST) -> Compiled:
     column = getattr(node, "col_offset", 0)
     match node:
         case ast.Constant(value=value):
-            return lambda variables: value
+            constant = cast(Value, value)  # the validator admits int, bool, str and None constants only
+            return lambda variables: constant
         case ast.Name(id=name):
 
             def variable(variables: Mapping[str, Value]) -> Value:

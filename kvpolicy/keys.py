@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import re
 import string
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 KEY_VERSION = 1
 """Version of the key recipe (prefix template fields, fingerprint inputs, chunk-hash spelling).
@@ -63,7 +64,7 @@ _DELIMITED_BEFORE = ("store_namespace",)
 DEMOTED_SUFFIX = "@demoted:"
 """Follows a demoted group's prefix, then the fingerprint, when the template has no ``{fingerprint}``."""
 
-CHUNK_KEY_FORMAT = "{prefix}@{chunk_hash}"
+CHUNK_KEY_FORMAT: Final = "{prefix}@{chunk_hash}"
 """The key of one chunk: its namespace's prefix, ``@``, then the chunk hash."""
 
 AGREEMENT_MARKER = "kvpolicy-audit-agreed"
@@ -127,7 +128,7 @@ def check_template(template: str) -> str:
         raise ValueError(
             f"unknown key template field {{{unknown[0]}}}; known: " + ", ".join(f"{{{name}}}" for name in KEY_TEMPLATE_FIELDS)
         )
-    for (_, before, _, _), (between, after, _, _) in zip(parts, parts[1:]):
+    for (_, before, _, _), (between, after, _, _) in itertools.pairwise(parts):
         if before is None or after is None or before in _DELIMITED_AFTER or after in _DELIMITED_BEFORE:
             continue
         if not any(not character.isdigit() for character in between):

@@ -461,7 +461,7 @@ _YAML_WORDS = {
 """Pydantic's wording for a wrong type, in the words of a YAML file (it quotes Python types)."""
 
 
-def _describe(item: dict[str, Any], location: Path, model: type[BaseModel]) -> tuple[str, bool, int | None, str]:
+def _describe(item: Mapping[str, Any], location: Path, model: type[BaseModel]) -> tuple[str, bool, int | None, str]:
     """(message, locate at the key rather than the value, column offset in the value, check code)."""
     kind = item["type"]
     name = str(location[-1]) if location else "document"
@@ -531,7 +531,8 @@ def _warnings_for_raw(data: dict[str, Any], model: type[BaseModel], source: Sour
     """Expression name checks that still make sense when the document as a whole failed validation."""
     if model is not Policy or not isinstance(data.get("rules"), list):
         return
-    extra = data.get("spec_fields") if isinstance(data.get("spec_fields"), list) else []
+    spec_fields = data.get("spec_fields")
+    extra = spec_fields if isinstance(spec_fields, list) else []
     known = expression_variables(str(name) for name in extra)
     for index, rule in enumerate(data["rules"]):
         if not isinstance(rule, dict):

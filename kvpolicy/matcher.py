@@ -85,15 +85,5 @@ def match_when(rule: Rule, spec: SpecValues, variables: Mapping[str, Value]) -> 
     return RuleMatch(True, "matched")
 
 
-def match_rule(rule: Rule, spec: SpecValues, layer: str, variables: Mapping[str, Value]) -> RuleMatch:
-    """Match ``rule`` against one layer (spec and fields, layer globs, then ``when``)."""
-    outcome = match_spec(rule, spec)
-    if not outcome.matched:
-        return outcome
-    if not layers_matching(rule, [layer]):
-        return RuleMatch(False, layers_reason(rule))
-    return match_when(rule, spec, variables)
-
-
 def _either(options: list[str] | tuple[str, ...]) -> str:
     return options[0] if len(options) == 1 else "any of " + ", ".join(options)

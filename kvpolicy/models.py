@@ -571,7 +571,8 @@ def _layer_patterns(raw_layout: Any) -> Iterator[str]:
     for group in groups if isinstance(groups, list) else ():
         if not isinstance(group, dict):
             continue
-        members = [group, *(group.get("uniform") if isinstance(group.get("uniform"), list) else ())]
+        uniform = group.get("uniform")
+        members = [group, *(uniform if isinstance(uniform, list) else ())]
         yield from _entry_patterns(members)
     heads = raw_layout.get("layer_kv_heads") if isinstance(raw_layout, dict) else None
     yield from _entry_patterns(heads if isinstance(heads, list) else ())
@@ -1088,11 +1089,11 @@ class Layout(StrictModel):
                 if len(errors) >= 100:
                     break
                 location = ("layer_kv_heads", entry_index, "layers")
-                message = self._layer_heads_problem(layer, spec_of, entry_index, hints)
-                if message is not None:
+                problem = self._layer_heads_problem(layer, spec_of, entry_index, hints)
+                if problem is not None:
                     errors.append(
                         InitErrorDetails(
-                            type=PydanticCustomError("layer-kv-heads", "{message}", {"message": message}),
+                            type=PydanticCustomError("layer-kv-heads", "{message}", {"message": problem}),
                             loc=location,
                             input=layer,
                         )

@@ -589,7 +589,7 @@ def _spec_fields(group: Group, member: int, variables: Mapping[str, Any]) -> Map
 def _group_kind(index: int, name: str, group: Group, variables: Mapping[str, Any]) -> tuple[DynamoKind, int | None] | str:
     """(kind, sliding window) of a layout group as Dynamo's exporter reads its spec, or why it has none.
     Dynamo takes the exact classes only (``type(spec) is ...``), with their stock semantics."""
-    kinds = []
+    kinds: list[tuple[str, int | None]] = []
     for member_index, member in enumerate(group.members):
         spec_type = member.spec.type
         where = f"group {index} ({name})"
@@ -599,7 +599,10 @@ def _group_kind(index: int, name: str, group: Group, variables: Mapping[str, Any
             return f"{where}: its {spec_type} fields do not evaluate: {error.message}"
         if spec_type == "FullAttentionSpec":
             if fields.get("sliding_window") is not None or fields.get("attention_chunk_size") is not None or fields.get("non_causal"):
-                return f"{where}: its FullAttentionSpec has a sliding window, chunked attention or non-causal attention, which Dynamo refuses"
+                return (
+                    f"{where}: its FullAttentionSpec has a sliding window, chunked attention or non-causal attention, "
+                    "which Dynamo refuses"
+                )
             kinds.append(("full_attention", None))
         elif spec_type == "SlidingWindowSpec":
             window = fields.get("sliding_window")

@@ -148,7 +148,8 @@ def _sharding_obstacle(
         return f"the model has {len(layout.groups)} KV-cache groups, and vLLM shards the store of one only"
     (group,) = layout.groups
     if group.is_uniform or group.members[0].spec.type != "FullAttentionSpec":
-        return f"its group is {group.members[0].spec.type if not group.is_uniform else 'UniformTypeKVCacheSpecs'}, and vLLM shards only FullAttentionSpec"
+        kind = group.members[0].spec.type if not group.is_uniform else "UniformTypeKVCacheSpecs"
+        return f"its group is {kind}, and vLLM shards only FullAttentionSpec"
     if str(extra_config.get("enable_cross_layers_blocks", "False")).lower() == "true":
         return "enable_cross_layers_blocks is set"
     return None

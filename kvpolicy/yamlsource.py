@@ -72,7 +72,9 @@ class _Loader(_BASE_LOADER):  # type: ignore[misc,valid-type]
         super().__init__(stream)
         if not self.yaml_path_resolvers:
             # Bound to the class, not to self: a cache holding self would make a reference cycle.
-            self.resolve = functools.cache(functools.partial(yaml.resolver.BaseResolver.resolve, type(self)))
+            self.resolve = functools.cache(
+                functools.partial(yaml.resolver.BaseResolver.resolve, type(self))  # type: ignore[arg-type]
+            )
             self.descend_resolver = operator.is_  # (node, index) -> ignored
             self.ascend_resolver = tuple  # () -> ignored
 
@@ -141,13 +143,15 @@ class SourceMap:
         if self._root is None:
             value = self._values.get(location)
             return None if value is None else (self._keys.get(location), value)
-        key_node, node = None, self._root
+        key_node: yaml.Node | None = None
+        node: yaml.Node = self._root
         for part in location:
             # Paths as the reference builds them: mapping keys as strings, sequence items by index.
             if isinstance(node, MappingNode) and isinstance(part, str):
-                key_node, node = next(((k, v) for k, v in node.value if _plain_key(k) == part), (None, None))
-                if node is None:
+                pair = next(((k, v) for k, v in node.value if _plain_key(k) == part), None)
+                if pair is None:
                     return None
+                key_node, node = pair
             elif isinstance(node, SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
                 key_node, node = None, node.value[part]
             else:
@@ -349,7 +353,7 @@ def _plain_key(node: yaml.Node) -> str:
     """A mapping key of a document the plain reader read, as it read it."""
     if node.tag == _STR_TAG:
         return node.value  # type: ignore[no-any-return]
-    key = _plain_scalar(node)
+    key = _plain_scalar(node)  # type: ignore[arg-type]  # a key of a document read: a scalar
     return key if key.__class__ is str else str(key)
 
 

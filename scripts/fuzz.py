@@ -25,10 +25,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "faults")]
 
+import fuzz_strategies as fs  # noqa: E402
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-import fuzz_strategies as fs  # noqa: E402
 
 SCRATCH = Path(tempfile.gettempdir()) / "kvpolicy-fuzz.yaml"
 """Where ``validate-cli`` writes each input; :func:`main` points it into a temporary directory."""

@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvpolicy.contract import key_contract  # noqa: E402
-from kvpolicy.keys import KEY_VERSION  # noqa: E402
 from kvpolicy.engine import plan_deployment  # noqa: E402
+from kvpolicy.keys import KEY_VERSION  # noqa: E402
 from kvpolicy.loader import load_layout, load_policy, shipped_policy_names  # noqa: E402
 from kvpolicy.models import Topology  # noqa: E402
 

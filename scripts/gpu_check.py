@@ -151,7 +151,7 @@ def on_worker_thread(function: Callable[[], Any], *, name: str = "gpu-check-recv
     def run() -> None:
         try:
             outcome["value"] = function()
-        except BaseException as error:  # handed to the caller
+        except BaseException as error:  # noqa: BLE001 - handed to the caller, who raises it
             outcome["error"] = error
 
     thread = threading.Thread(target=run, name=name, daemon=True)
@@ -189,13 +189,13 @@ def loopback_master() -> Iterator[Any]:
     try:
         import mooncake.store  # noqa: F401
     except (ImportError, OSError) as error:
-        raise Skip(f"mooncake.store does not import: {error} (kvpolicy doctor says which library is missing)")
+        raise Skip(f"mooncake.store does not import: {error} (kvpolicy doctor says which library is missing)") from error
     from kvpolicy.mooncake.master import MooncakeMaster, MooncakeUnavailable
 
     try:
         master = MooncakeMaster().start()
     except MooncakeUnavailable as error:
-        raise Skip(f"no mooncake_master: {error}")
+        raise Skip(f"no mooncake_master: {error}") from error
     try:
         yield master
     finally:
@@ -364,7 +364,7 @@ def check_audit(device: Any) -> str:
             )[0]
         host_layers = [layer.cpu() for layer in caches["rank 0"]]
         host_names = [f"layer.{index}" for index in range(len(host_layers))]
-        host = local_digests([LayerOutermostBlocks(host_layers)], BlockReader(dict(zip(host_names, host_layers))), audited)[0]
+        host = local_digests([LayerOutermostBlocks(host_layers)], BlockReader(dict(zip(host_names, host_layers, strict=True))), audited)[0]
         if digests["rank 0"] != host:
             raise WrongBytes(f"{cache_dtype}: the {device.type} reader digests other bytes than the host reader")
         if digests["replica"] != digests["rank 0"]:
@@ -372,11 +372,9 @@ def check_audit(device: Any) -> str:
         if digests["shard"] == digests["rank 0"] or digests["one ulp"] == digests["rank 0"]:
             raise WrongBytes(f"{cache_dtype}: different bytes digest alike")
 
-        def values(name: str) -> list[float]:
-            return list(torch.frombuffer(bytearray(samples[name]), dtype=torch.float32).tolist())
-
-        shard = relative_distance(values("rank 0"), values("shard"))
-        ulp = relative_distance(values("rank 0"), values("one ulp"))
+        values = {name: list(torch.frombuffer(bytearray(sample), dtype=torch.float32).tolist()) for name, sample in samples.items()}
+        shard = relative_distance(values["rank 0"], values["shard"])
+        ulp = relative_distance(values["rank 0"], values["one ulp"])
         if shard <= comparison.tolerance:
             raise WrongBytes(f"{cache_dtype}: a distinct shard is {shard:.3f} apart, within tolerance {comparison.tolerance}")
         if not 0 < ulp <= comparison.tolerance:
@@ -583,7 +581,7 @@ def run_check(name: str, check: Callable[[Any], str], target: Any) -> CheckResul
         detail, outcome = str(why), "not applicable"
     except WrongBytes as wrong:
         detail, outcome = str(wrong), "failed"
-    except Exception as error:  # a check that crashed is a failure, shown with where it happened
+    except Exception as error:  # noqa: BLE001 - a check that crashed is a failure, shown with where it happened
         where = traceback.extract_tb(error.__traceback__)[-1]
         detail, outcome = f"{type(error).__name__}: {error} ({Path(where.filename).name}:{where.lineno})", "failed"
     shown = ",".join(map(str, target)) if isinstance(target, (list, tuple)) else str(target)
@@ -661,7 +659,7 @@ def environment(devices: Sequence[Any]) -> dict[str, Any]:
         described.append(entry)
     libc, libc_version = platform.libc_ver()
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "kvpolicy": f"{kvpolicy.__version__} ({_commit()})",
         "python": platform.python_version(),
         "glibc": libc_version if libc == "glibc" else None,

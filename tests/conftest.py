@@ -267,14 +267,14 @@ def alone(payload: Any) -> list[Any]:
 def planning_worker(policy: Any, model: Any, store: Any, *, gather: Any = alone, tp_rank: int = 0) -> Any:
     """Rank ``tp_rank``'s ``KVPolicyStoreWorker`` for a simulated model (``kvpolicy.sim.build_model``),
     through its standalone construction: planned, its token databases built, no KV registered."""
-    from kvpolicy.vllm.standalone import Ranks
+    from kvpolicy.runtime.binding import RankPlace
     from kvpolicy.vllm.worker import KVPolicyStoreWorker
 
     return KVPolicyStoreWorker.standalone(
         model.vllm_config,
         model.kv_cache_config,
         policy=policy,
-        ranks=Ranks(tp_rank=tp_rank, tp_size=model.tp_size),
+        place=RankPlace(tp_rank=tp_rank, tp_size=model.tp_size),
         store=store,
         model=model.name,
         total_num_kv_heads=model.total_num_kv_heads,

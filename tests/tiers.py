@@ -82,6 +82,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "runtime/test_read_failures.py": "pure",
     "runtime/test_markers.py": "pure",
     "runtime/test_policy.py": "pure",
+    "runtime/test_binding.py": "pure",
     "runtime/test_dynamo_descriptor_file.py": "pure",
     # --- the command line -----------------------------------------------------------------------
     "cli/test_cli.py": "pure",
@@ -95,7 +96,10 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "cli/test_diff.py": "pure",
     "cli/test_topology_flags.py": "pure",
     "cli/test_elf.py": "contract",
-    "cli/test_document_kinds.py": "contract",
+    "cli/test_document_kinds.py": ("contract", "sim"),
+    # kvpolicy audit on an archetype starts its own Mooncake master.
+    "cli/test_document_kinds.py::test_the_audit_report_carries_its_kind_and_version": "sim",
+    "cli/test_document_kinds.py::test_an_enforced_audits_stop_is_an_audit_report_too": "sim",
     "cli/test_doctor.py": ("contract", "sim"),
     "cli/test_demo.py": "engine",
     "cli/test_rule.py": "pure",
@@ -109,6 +113,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "docs/test_quickstart.py::test_the_quickstart_runs_*": "engine",
     # --- packaging ------------------------------------------------------------------------------
     "packaging/test_architecture.py": "pure",
+    "packaging/test_lint.py": "pure",
     "packaging/test_tiers.py": "pure",
     "packaging/test_pre_commit.py": "contract",
     "packaging/test_wheel.py": "engine",
@@ -135,6 +140,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     f"{C}/test_vllm_version.py": "contract",
     f"{C}/test_vllm_internals.py": ("contract", "engine"),
     f"{C}/test_vllm_internals.py::test_vllm_0_33_has_kvpolicys_surface": "engine",
+    "zoo/test_coverage.py": "contract",
     "zoo/test_shrink.py": "contract",
     "faults/test_policy_read_once.py": "contract",
     # --- simulated instances on a real master -----------------------------------------------------

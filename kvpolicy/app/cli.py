@@ -23,15 +23,15 @@ from kvpolicy.app.diagnostic_formats import FORMATS, FileResult, Selection, pars
 from kvpolicy.app.discover import add_discover_parser
 from kvpolicy.app.rule import run_rule
 from kvpolicy.app.topology_flags import add_topology_flag, add_topology_flags, several_help, topology_from_args
+from kvpolicy.app.vllm_config import kv_transfer_config, policy_warnings
 from kvpolicy.contract import KeyContract, key_contract
-from kvpolicy.diagnostics import Diagnostic, DocumentError, PlanError, printable_path
+from kvpolicy.diagnostics import DocumentError, PlanError, printable_path
 from kvpolicy.engine import make_plan, plan_deployment
 from kvpolicy.loader import (
     check_file,
     declared_spec_classes,
     load_layout,
     load_policy,
-    resolve_policy_path,
     schemas_dir,
     shipped_policy_names,
 )
@@ -47,7 +47,6 @@ from kvpolicy.report import (
     versioned,
 )
 from kvpolicy.routers import RouterExportError, check_dynamo_descriptor, dynamo_descriptor, dynamo_refusals
-from kvpolicy.settings import KVPolicySettings, PolicySelection
 from kvpolicy.store_layout import StoreSelection
 from kvpolicy.traffic import prompt_traffic
 
@@ -369,14 +368,6 @@ def _explain(args: argparse.Namespace) -> int:
     return _plan(args)
 
 
-def kv_transfer_config(policy: str, *, role: str = "kv_both", strict: bool = False) -> dict[str, Any]:
-    """vLLM's ``--kv-transfer-config`` running ``policy`` (a shipped name or a path) with the connector;
-    :class:`DocumentError` with every problem when the policy is invalid (it would fail at start-up)."""
-    load_policy(policy)
-    setting = policy if not strict else PolicySelection(policy=policy, strict=True)
-    return KVPolicySettings(kvpolicy=setting).kv_transfer_config(role=role)
-
-
 def _vllm_config(args: argparse.Namespace) -> int:
     config = kv_transfer_config(args.policy, role=args.role, strict=args.strict)
     warnings = policy_warnings(args.policy)
@@ -387,12 +378,6 @@ def _vllm_config(args: argparse.Namespace) -> int:
     print(f"# policy '{load_policy(args.policy).name}' is valid{said}; pass the line above to --kv-transfer-config",
           file=sys.stderr)
     return 0
-
-
-def policy_warnings(policy: str) -> list[Diagnostic]:
-    """The warnings ``kvpolicy validate`` reports for ``policy`` (a shipped name or a path) that loads."""
-    _, problems = check_file(resolve_policy_path(policy))
-    return [problem for problem in problems if problem.severity == "warning"]
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -540,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rule.add_argument("code", nargs="?", metavar="CODE", help="a code (KVP203) or a check's name (unreachable-rule)")
     rule.add_argument("--all", action="store_true", help="list every code instead")
-    rule.set_defaults(run=run_rule)
+    rule.set_defaults(run=lambda args: run_rule(args, main))
 
     schema_command = commands.add_parser(
         "schema", help="print the JSON Schemas, or check/write schemas/",
@@ -708,7 +693,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except ImportError as error:
-        print(f"error: {args.command} needs {error.name or 'a module'} (in a kvpolicy checkout: pip install '.[vllm]' on GPUs, '.[cpu]' on CPUs; see the README's Install): {_one_line(error)}")
+        print(
+            f"error: {args.command} needs {error.name or 'a module'} (in a kvpolicy checkout: pip install '.[vllm]' "
+            f"on GPUs, '.[cpu]' on CPUs; see the README's Install): {_one_line(error)}"
+        )
         return 1
     except Exception as error:
         if os.environ.get("KVPOLICY_TRACEBACK"):

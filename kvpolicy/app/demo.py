@@ -178,7 +178,7 @@ def _engine_run(master: MooncakeMaster) -> bool:
             )
 
 
-def _cold_and_warm(serve, model, prompt, store_config, master, *, tp_size, dtype, hybrid) -> bool:  # noqa: ANN001
+def _cold_and_warm(serve, model, prompt, store_config, master, *, tp_size, dtype, hybrid) -> bool:
     verdicts = []
     for label, policy, must_match in _engine_policies():
         config = KVPolicySettings(kvpolicy=policy).kv_transfer_config(upstream_extra={"cache_prefix": label})

@@ -62,9 +62,10 @@ def add_discover_parser(commands: argparse._SubParsersAction) -> None:  # type: 
                         help="observe a tiny copy of a model on a real vLLM engine, from its config.json (a file, a "
                              "directory holding one, a transformers model type or a vLLM architecture)")
     target.add_argument("--propose", action="store_true", help="write the policy the REPORTs support (exit 1 if they cannot)")
-    target.add_argument("--check", metavar="POLICY", help="compare POLICY's plan with the REPORTs: exit 0 agrees, 1 harmless differences (or a "
-                        "policy that cannot plan a report), 3 no evidence for some layer, 4 DANGEROUS (a replica "
-                        "set holding different bytes: another rank's state would load)")
+    target.add_argument("--check", metavar="POLICY",
+                        help="compare POLICY's plan with the REPORTs: exit 0 agrees, 1 harmless differences (or a "
+                             "policy that cannot plan a report), 3 no evidence for some layer, 4 DANGEROUS (a replica "
+                             "set holding different bytes: another rank's state would load)")
     add_topology_flag(discover, "tp_size", nargs="+", default=None, help=several_help("tp_size"))
     discover.add_argument("--steps", type=int, metavar="K", help=f"save steps observed per TP size (default {DEFAULT_STEPS})")
     discover.add_argument("--out", type=Path, help="directory the reports go to (default ./discovery)")

@@ -48,7 +48,8 @@ from pydantic import Field
 
 from kvpolicy.app.elf import DynamicSection, ElfError, cudart_majors, read_dynamic_file
 from kvpolicy.app.environment import environment
-from kvpolicy.diagnostics import printable_path
+from kvpolicy.app.vllm_config import kv_transfer_config, policy_warnings
+from kvpolicy.diagnostics import DocumentError, printable_path
 from kvpolicy.loader import FileRefused, read_regular_file
 from kvpolicy.models import DocumentVersion, StrictModel
 from kvpolicy.report import DOCUMENT_VERSIONS
@@ -662,8 +663,6 @@ def master_answers(address: MasterAddress, timeout_s: float) -> MasterAnswer:
 
 def check_policy(policy: str) -> CheckResult:
     """The policy validates, and the ``--kv-transfer-config`` line that runs it (``kvpolicy vllm-config``'s)."""
-    from kvpolicy.app.cli import kv_transfer_config, policy_warnings
-    from kvpolicy.diagnostics import DocumentError
 
     try:
         config = kv_transfer_config(policy)

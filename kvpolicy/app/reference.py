@@ -21,9 +21,8 @@ import ast
 import contextlib
 import io
 import json
-import os
 import re
-import tempfile
+import shlex
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,11 @@ from typing import Any
 from pydantic import BaseModel
 
 from kvpolicy import schema
-from kvpolicy.diagnostics import CHECKS, CHECKS_BY_CODE, CHECKS_BY_NAME, Check, Example
+from kvpolicy.app import rule
+from kvpolicy.app.cli import build_parser, main
+from kvpolicy.app.cli_examples import COMMAND_EXAMPLES
+from kvpolicy.app.rule import ExampleRun, diagnostic_page, shown_output
+from kvpolicy.diagnostics import CHECKS, Check, Example
 from kvpolicy.discovery import DiscoveryReport
 from kvpolicy.models import Layout, Policy
 from kvpolicy.settings import KVPolicySettings
@@ -46,11 +49,6 @@ with the reference computed afresh."""
 END = "<!-- /kvpolicy-reference: {name} -->"
 """The end of a reference written into its page."""
 
-DOCS_URL_VARIABLE = "KVPOLICY_DOCS_URL"
-"""The environment variable naming where a deployment publishes this site (``site_url`` in ``mkdocs.yml``
-reads it too). kvpolicy has no public site of its own: without it, ``kvpolicy rule CODE`` names the page
-in a checkout, where it reads whole."""
-
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 """The documentation's source, in a checkout."""
 
@@ -59,95 +57,14 @@ PACKAGE = Path(__file__).resolve().parents[1]
 # --- diagnostics ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ExampleRun:
-    """What ``kvpolicy`` printed for a check's example (stdout and stderr, in order) and its exit code."""
-
-    command: str
-    """The command line as a user types it: ``kvpolicy ARGS``."""
-    exit_code: int
-    output: str
-
-
 def run_example(example: Example) -> ExampleRun:
-    """Run ``example`` with the CLI in-process, its files in a fresh directory; paths in the output
-    are shown relative to that directory, as if the user had run it there."""
-    from kvpolicy.app.cli import main  # the CLI imports this module for ``kvpolicy rule``
-
-    with tempfile.TemporaryDirectory(prefix="kvpolicy-example-") as directory:
-        root = Path(directory).resolve()
-        for name, text in example.files:
-            (root / name).write_text(text, encoding="utf-8")
-        names = {name for name, _ in example.files}
-        argv = [
-            str(root / argument) if argument in names or argument.endswith((".yaml", ".yml")) else argument
-            for argument in example.argv
-        ]
-        captured = io.StringIO()
-        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
-            try:
-                code = main(argv)
-            except SystemExit as exit_:  # a usage error
-                code = int(exit_.code or 0)
-        output = captured.getvalue().replace(f"{root}/", "")
-    return ExampleRun(" ".join(("kvpolicy", *example.argv)), code, output)
-
-
-SHOWN_LINES = 12
-"""An example's output longer than this is shown as its first and last lines around a ``...`` line."""
-
-
-def shown_output(output: str) -> str:
-    """``output`` as the reference shows it: whole, or cut in the middle to a ``...`` line."""
-    lines = output.rstrip("\n").splitlines()
-    if len(lines) > SHOWN_LINES:
-        lines = [*lines[:3], "...", *lines[-2:]]
-    return "\n".join(lines)
-
-
-def find_check(code_or_name: str) -> Check | None:
-    """The check of a code (any case) or a name."""
-    return CHECKS_BY_CODE.get(code_or_name.upper()) or CHECKS_BY_NAME.get(code_or_name.lower())
-
-
-def diagnostic_page(check: Check) -> str:
-    """The code's page, relative to the documentation's source: ``reference/diagnostics/kvp203.md``."""
-    return f"reference/diagnostics/{check.code.lower()}.md"
-
-
-def diagnostic_location(check: Check, environ: Mapping[str, str] = os.environ) -> str:
-    """Where the code's page is: on the site :data:`DOCS_URL_VARIABLE` names (directory URLs, as MkDocs
-    writes them), else its source in a checkout (``docs/reference/diagnostics/kvp203.md``)."""
-    site = environ.get(DOCS_URL_VARIABLE, "").strip()
-    if site:
-        return f"{site.rstrip('/')}/{diagnostic_page(check).removesuffix('.md')}/"
-    return f"docs/{diagnostic_page(check)} in a kvpolicy checkout (bash scripts/run.sh docs builds the site)"
-
-
-def _example_text(title: str, example: Example) -> list[str]:
-    run = run_example(example)
-    lines = [title, ""]
-    for name, text in example.files:
-        lines += [f"  {name}:", *(f"    {line}" for line in text.splitlines()), ""]
-    return [*lines, f"$ {run.command}", shown_output(run.output), ""]
+    """Run ``example`` with this CLI in-process (:func:`kvpolicy.app.rule.run_example`)."""
+    return rule.run_example(example, main)
 
 
 def rule_text(check: Check) -> str:
-    """``kvpolicy rule CODE``: what the code's page shows (what it finds, what it does, why it matters, an
-    example that reports it and the example fixed, each run for real), then the page's URL."""
-    lines = [
-        f"{check.code} {check.name} ({check.severity})", "", check.summary, "",
-        "What it does", "", check.explanation, "", "Why it matters", "", check.why, "",
-        *_example_text("Example", check.example), *_example_text("Use instead", check.fixed),
-        f"Documentation: {diagnostic_location(check)}",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def rule_list() -> str:
-    """``kvpolicy rule --all``: one line per check."""
-    width = max(len(check.name) for check in CHECKS)
-    return "".join(f"{check.code}  {check.name:<{width}}  {check.severity:<7}  {check.summary}\n" for check in CHECKS)
+    """What ``kvpolicy rule CODE`` prints (:func:`kvpolicy.app.rule.rule_text`)."""
+    return rule.rule_text(check, main)
 
 
 def diagnostics_markdown() -> str:
@@ -381,10 +298,6 @@ def _command_example_markdown(example: Any) -> list[str]:
 def run_command_example(command: str) -> ExampleRun:
     """Run ``kvpolicy ARGS`` in-process from the checkout's root (paths in examples are relative to it, and
     so are the paths it prints)."""
-    import shlex
-
-    from kvpolicy.app.cli import main
-
     captured = io.StringIO()
     with contextlib.chdir(DOCS.parent), contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
         try:
@@ -398,15 +311,11 @@ def run_command_example(command: str) -> ExampleRun:
 def cli_markdown(parser: argparse.ArgumentParser | None = None) -> str:
     """Every subcommand of ``kvpolicy``: its usage and a row per argument (hidden ones left out)."""
     if parser is None:
-        from kvpolicy.app.cli import build_parser
-
         parser = build_parser()
     out = ["| command | what it does |", "|---|---|"]
     commands = list(subcommands(parser))
     out += [f"| [`kvpolicy {name}`](#kvpolicy-{name}) | {_cell(summary)} |" for name, summary, _ in commands]
     out.append("")
-    from kvpolicy.app.cli_examples import COMMAND_EXAMPLES
-
     for name, summary, command in commands:
         description = command.description or summary[:1].upper() + summary[1:] + "."
         out += [f"### kvpolicy {name} {{#kvpolicy-{name}}}", "", _markdown_text(description), ""]
@@ -561,14 +470,15 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "settings": settings_markdown,
     "metrics": metrics_markdown,
     "model-coverage": lambda: _coverage_markdown(),
+    "model-coverage-warm-path": lambda: _coverage_markdown(warm_path=True),
 }
 """Marker name -> the Markdown that replaces it."""
 
 
-def _coverage_markdown() -> str:
-    from kvpolicy.app.coverage import coverage_markdown
+def _coverage_markdown(*, warm_path: bool = False) -> str:
+    from kvpolicy.app.coverage import coverage_markdown, warm_path_markdown
 
-    return coverage_markdown()
+    return warm_path_markdown() if warm_path else coverage_markdown()
 
 
 def _generate(name: str) -> str:

@@ -14,27 +14,20 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from kvpolicy.audit import DEFAULT_COMPARISON, Digest, ValueComparison, digest_blocks
 from kvpolicy.device.storages import KVStorages
+from kvpolicy.runtime.ports import TokenDatabase
 
-__all__ = ["SAMPLE_VALUES", "BlockReader", "TokenDatabase", "block_regions", "local_digests", "local_layer_digests",
+__all__ = ["SAMPLE_VALUES", "BlockReader", "block_regions", "local_digests", "local_layer_digests",
            "local_samples", "tensor_distance"]
 
 SAMPLE_VALUES = 16_384
 """Values per rank and group sent when a replica set's digests differ (64 KiB as float32): an
 evenly strided sample of the audited blocks' values, compared with a tolerance for rounding."""
-
-
-class TokenDatabase(Protocol):
-    """What the reader needs of vLLM's ``ChunkedTokenDatabase``: the regions one block fills."""
-
-    def prepare_value_for_block(self, block_id: int) -> tuple[Sequence[int], Sequence[int]]:
-        """(addresses, sizes) of the block's regions, in the order the store writes them."""
-        ...
 
 
 class BlockReader:

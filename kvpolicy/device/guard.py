@@ -4,8 +4,8 @@ vLLM's receive thread never calls ``set_device``: its current device is 0 on eve
 takes the current device (``torch.cuda.current_stream()``, an NCCL ``batch_isend_irecv``, pinned
 allocations) would then reach GPU 0 from every rank, create a CUDA context there outside vLLM's memory
 budget, or wait on the wrong stream. What kvpolicy runs on such a thread enters the KV cache's device
-first and leaves it as it found it (:meth:`DeviceApi.on`), and synchronizes that device's stream by
-name (:meth:`DeviceApi.synchronize`).
+first and leaves it as it found it (:meth:`~kvpolicy.runtime.ports.DeviceApi.on`), and synchronizes
+that device's stream by name (:meth:`~kvpolicy.runtime.ports.DeviceApi.synchronize`).
 
 :data:`TORCH_DEVICES` is torch's: ``torch.cuda.device`` enters a device and, on leaving, restores the
 previous one only where that device already has a context (so leaving never creates one on GPU 0).
@@ -16,27 +16,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-__all__ = ["TORCH_DEVICES", "DeviceApi", "TorchDevices"]
+from kvpolicy.runtime.ports import DeviceApi
 
-
-class DeviceApi(Protocol):
-    """The device calls the striped-load path makes on a thread of vLLM's."""
-
-    def on(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-        """Make ``device`` the thread's current device for the block; restore the previous one after."""
-        ...
-
-    def synchronize(self, device: torch.device) -> None:
-        """Wait for the work queued on ``device``'s current stream (nothing for a host device)."""
-        ...
+__all__ = ["TORCH_DEVICES", "TorchDevices"]
 
 
 class TorchDevices:
-    """:class:`DeviceApi` through torch: CUDA devices are entered, others are left alone."""
+    """:class:`~kvpolicy.runtime.ports.DeviceApi` through torch: CUDA devices are entered, others are left alone."""
 
     def on(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         if device.type != "cuda":
@@ -55,5 +45,5 @@ def _entered(device: torch.device) -> Iterator[None]:
         yield
 
 
-TORCH_DEVICES: DeviceApi = TorchDevices()
+TORCH_DEVICES: DeviceApi[torch.device] = TorchDevices()
 """The device API the product runs with."""

@@ -14,7 +14,7 @@ most ``piece_budget_bytes`` staged per rank) the wrapper
    (``index_select`` on the tensors' device), and where the KV cache is on a GPU copies that buffer
    to pinned host memory in one copy;
 3. exchanges blocks with the other members of its replica sets only (a
-   :class:`~kvpolicy.runtime.collective.PeerExchange`: gloo send/recv of raw bytes on an engine,
+   :class:`~kvpolicy.runtime.ports.PeerExchange`: gloo send/recv of raw bytes on an engine,
    :class:`~kvpolicy.runtime.collective.ThreadExchange` in the simulation);
 4. copies what it received to the device in one copy and scatters it into its blocks, one
    ``index_copy_`` per KV-cache tensor.
@@ -48,9 +48,9 @@ from typing import Any
 
 import torch
 
-from kvpolicy.device.guard import TORCH_DEVICES, DeviceApi
+from kvpolicy.device.guard import TORCH_DEVICES
 from kvpolicy.device.storages import KVStorages, as_words, word_for
-from kvpolicy.runtime.collective import PeerExchange, Transfer
+from kvpolicy.runtime.ports import DeviceApi, PeerExchange, ReadStore, Transfer
 from kvpolicy.runtime.striping import (
     DEFAULT_PIECE_BUDGET_BYTES,
     IndexRun,
@@ -105,7 +105,7 @@ class StripedReadStore:
 
     def __init__(
         self,
-        store: Any,
+        store: ReadStore,
         *,
         tp_rank: int,
         group_of_key: Callable[[str], int | None],
@@ -114,7 +114,7 @@ class StripedReadStore:
         storages: KVStorages,
         piece_budget_bytes: int = DEFAULT_PIECE_BUDGET_BYTES,
         stage_through_host: bool | None = None,
-        devices: DeviceApi = TORCH_DEVICES,
+        devices: DeviceApi[torch.device] = TORCH_DEVICES,
         allocate: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         self._store = store
@@ -144,12 +144,12 @@ class StripedReadStore:
         reading the keys itself, so that its peers see it at once and nobody waits out a timeout."""
 
     @property
-    def inner(self) -> Any:
+    def inner(self) -> ReadStore:
         """The client this wraps."""
         return self._store
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
+    def batch_get_replica_desc(self, keys: list[str]) -> Any:
+        return self._store.batch_get_replica_desc(keys)
 
     def batch_get_into_multi_buffers(
         self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]], *args: Any
@@ -372,11 +372,12 @@ class StripedReadStore:
 
     def _host(self, nbytes: int) -> torch.Tensor:
         """Host staging, pinned where the KV cache is on a GPU; pageable when pinning fails (slower
-        copies, the same bytes)."""
+        copies, the same bytes). torch reports a failed pin (no accelerator, driver or pinned memory
+        left: ``torch.OutOfMemoryError``, ``torch.AcceleratorError``) as a ``RuntimeError``."""
         if self._pin:
             try:
                 return self._allocate(nbytes, pin=True)
-            except Exception as error:
+            except RuntimeError as error:
                 logger.warning("kvpolicy striped load: tp rank %d could not pin %d bytes of host staging (%s); "
                                "using pageable memory", self._tp_rank, nbytes, error)
         return self._allocate(nbytes)
@@ -402,7 +403,7 @@ class StripedReadStore:
             for run in runs
         ]
         index = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        tally.index_bytes = max(tally.index_bytes, index.numel() * index.element_size())
+        tally.peak_index_bytes = max(tally.peak_index_bytes, index.numel() * index.element_size())
         if self._device.type != "cpu":
             index = index.to(self._device)
             tally.index_uploads += 1
@@ -458,45 +459,19 @@ class _Load:
     tally: _Tally
 
 
-@dataclass
 class _Tally:
-    """One load's counts, gathered as it runs (folded into :class:`StripeCounts` at its end)."""
+    """One load's counts, gathered as it runs: :class:`StripeCounts`' fields (each ``peak_*`` field kept
+    as the most any piece held), folded into one :class:`StripeCounts` at its end."""
 
-    keys_loaded: int = 0
-    bytes_loaded: int = 0
-    keys_read: int = 0
-    exchanges: int = 0
-    keys_received: int = 0
-    bytes_received: int = 0
-    bytes_sent: int = 0
-    keys_failed: int = 0
-    device_to_host_copies: int = 0
-    host_to_device_copies: int = 0
-    index_uploads: int = 0
-    header_copies: int = 0
-    gather_ops: int = 0
-    scatter_ops: int = 0
-    host_staging: int = 0
-    device_staging: int = 0
-    index_bytes: int = 0
-    staging_failures: int = 0
-    peer_quits: int = 0
+    def __init__(self, **start: int) -> None:
+        self.__dict__.update(dict.fromkeys(StripeCounts.__dataclass_fields__, 0), **start)
 
     def staged(self, *, host: int, device: int) -> None:
-        self.host_staging = max(self.host_staging, host)
-        self.device_staging = max(self.device_staging, device)
+        self.peak_host_staging_bytes = max(self.peak_host_staging_bytes, host)
+        self.peak_device_staging_bytes = max(self.peak_device_staging_bytes, device)
 
     def counts(self) -> StripeCounts:
-        return StripeCounts(
-            loads=1, exchanges=self.exchanges, keys_loaded=self.keys_loaded, bytes_loaded=self.bytes_loaded,
-            keys_read=self.keys_read, keys_received=self.keys_received, bytes_received=self.bytes_received,
-            bytes_sent=self.bytes_sent, keys_failed=self.keys_failed,
-            device_to_host_copies=self.device_to_host_copies, host_to_device_copies=self.host_to_device_copies,
-            index_uploads=self.index_uploads, header_copies=self.header_copies, gather_ops=self.gather_ops,
-            scatter_ops=self.scatter_ops, peak_host_staging_bytes=self.host_staging,
-            peak_device_staging_bytes=self.device_staging, peak_index_bytes=self.index_bytes,
-            staging_failures=self.staging_failures, peer_quits=self.peer_quits,
-        )
+        return StripeCounts(**{**self.__dict__, "loads": 1})
 
 
 # --- the collective ------------------------------------------------------------------------------
@@ -538,7 +513,7 @@ class NcclExchange:
 
     device_buffers = True
 
-    def __init__(self, group: Any, ranks: Sequence[int], device: torch.device, devices: DeviceApi = TORCH_DEVICES) -> None:
+    def __init__(self, group: Any, ranks: Sequence[int], device: torch.device, devices: DeviceApi[torch.device] = TORCH_DEVICES) -> None:
         self._group = group
         self._ranks = list(ranks)
         self._device = device
@@ -619,7 +594,7 @@ def gloo_exchange(ranks: Sequence[int], timeout_s: float = 120.0) -> GlooExchang
 
 
 def nccl_exchange(
-    ranks: Sequence[int], device: torch.device, timeout_s: float = 120.0, devices: DeviceApi = TORCH_DEVICES
+    ranks: Sequence[int], device: torch.device, timeout_s: float = 120.0, devices: DeviceApi[torch.device] = TORCH_DEVICES
 ) -> NcclExchange:
     """An :class:`NcclExchange` over a new NCCL group of ``ranks`` whose communicator is made now, for
     ``device`` (this rank's KV-cache device), on the calling thread (:func:`exchange_group`)."""

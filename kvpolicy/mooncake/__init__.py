@@ -1,5 +1,6 @@
 """Adapter around Mooncake (master process, store clients, master metrics); never imports vLLM."""
 
+from kvpolicy.mooncake.availability import MooncakeUnavailable
 from kvpolicy.mooncake.client import (
     OBJECT_NOT_FOUND,
     ClientConfig,
@@ -7,7 +8,7 @@ from kvpolicy.mooncake.client import (
     connect_store,
     store_client,
 )
-from kvpolicy.mooncake.master import MooncakeMaster, MooncakeUnavailable
+from kvpolicy.mooncake.master import MooncakeMaster
 from kvpolicy.mooncake.metrics import MasterCounters, delta, parse_metrics, read_metrics
 
 __all__ = [

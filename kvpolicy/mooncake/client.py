@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from kvpolicy.mooncake.master import INSTALL_HINT, MooncakeUnavailable, require_ibverbs
+from kvpolicy.mooncake.availability import INSTALL_HINT, MooncakeUnavailable, require_ibverbs
 
 if TYPE_CHECKING:
     from mooncake.store import MooncakeDistributedStore

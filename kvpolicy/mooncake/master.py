@@ -7,7 +7,6 @@ servers (HTTP metadata, KV events, HA) switched off.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -21,41 +20,18 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import Self
 
+from kvpolicy.mooncake.availability import IBVERBS_HINT, INSTALL_HINT, MooncakeUnavailable, require_ibverbs
+from kvpolicy.mooncake.client import ClientConfig, MiB
 from kvpolicy.mooncake.host import LOOPBACK as LOOPBACK_HOST
 from kvpolicy.mooncake.host import NetworkHost
-
-if TYPE_CHECKING:
-    from kvpolicy.mooncake.client import ClientConfig
-    from kvpolicy.mooncake.metrics import MasterCounters
-
+from kvpolicy.mooncake.metrics import MasterCounters, read_metrics
 
 LOOPBACK = "127.0.0.1"
-INSTALL_HINT = (
-    "mooncake_master not found; install mooncake-transfer-engine-cuda13==0.3.13.post1 beside a CUDA 13 torch"
-    " (what '.[vllm]' brings) or mooncake-transfer-engine-non-cuda==0.3.13.post1 beside a CPU torch;"
-    " kvpolicy doctor says which"
-)
-IBVERBS_HINT = "libibverbs1 is missing: apt-get install -y libibverbs1"
 
 _STOP_TIMEOUT_S = 5.0
 _POLL_INTERVAL_S = 0.05
-
-
-class MooncakeUnavailable(RuntimeError):
-    """Mooncake cannot run here: package, binary or system library missing, or the master died."""
-
-
-def require_ibverbs() -> None:
-    """Raise :class:`MooncakeUnavailable` unless ``libibverbs.so.1`` loads.
-
-    Both the master binary and ``mooncake.store`` link it, even for the TCP protocol.
-    """
-    try:
-        ctypes.CDLL("libibverbs.so.1")
-    except OSError as error:
-        raise MooncakeUnavailable(IBVERBS_HINT) from error
 
 
 def find_master_binary(binary: str | os.PathLike[str] | None = None) -> str:
@@ -129,14 +105,10 @@ class MooncakeMaster:
 
     def metrics(self) -> dict[str, float]:
         """The master's metrics, parsed, read with the master host's network."""
-        from kvpolicy.mooncake.metrics import read_metrics
-
         return self.host.call(read_metrics, self.metrics_url)
 
     def counters(self) -> MasterCounters:
         """A snapshot of the traffic counters."""
-        from kvpolicy.mooncake.metrics import MasterCounters
-
         return MasterCounters.from_metrics(self.metrics())
 
     @property
@@ -156,8 +128,6 @@ class MooncakeMaster:
     ) -> ClientConfig:
         """A store-client config for this master, sized for a small machine: on loopback, or for a client
         at ``local_hostname`` of the test ``network`` the master's host is on."""
-        from kvpolicy.mooncake.client import ClientConfig, MiB  # client.py imports this module
-
         return ClientConfig(
             master_server_address=self.rpc_address,
             local_hostname=local_hostname,

@@ -24,10 +24,10 @@ Samples = dict[int, bytes] | None
 """What one rank sends in the second collective: group → float32 values; None when it failed."""
 
 
-def decode_samples(samples: Samples) -> dict[int, array] | None:
+def decode_samples(samples: Samples) -> dict[int, array[float]] | None:
     if samples is None:
         return None
-    decoded: dict[int, array] = {}
+    decoded: dict[int, array[float]] = {}
     for group, data in samples.items():
         values = array("f")
         values.frombytes(data)

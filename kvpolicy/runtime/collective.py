@@ -1,10 +1,11 @@
-"""The point-to-point exchange striped loads run over, declared as a port, and its in-process form.
+"""The in-process form of the point-to-point exchange striped loads run over.
 
-:class:`PeerExchange` is what the striped-load schedule (:mod:`kvpolicy.runtime.striping`) needs of a
-collective: each rank hands over the buffers it sends and the buffers it receives into, each paired
-with the TP rank at the other end, and gets back once every transfer is done. On an engine this is
-gloo (or NCCL) send/recv among the members of each replica set (:mod:`kvpolicy.vllm.striped`); in
-the simulation and in tests it is :class:`ThreadExchange`, whose ranks are threads of one process.
+:class:`~kvpolicy.runtime.ports.PeerExchange` is what the striped-load schedule
+(:mod:`kvpolicy.runtime.striping`) needs of a collective: each rank hands over the buffers it sends
+and the buffers it receives into, each paired with the TP rank at the other end, and gets back once
+every transfer is done. On an engine this is gloo (or NCCL) send/recv among the members of each
+replica set (:mod:`kvpolicy.vllm.striped`); in the simulation and in tests it is
+:class:`ThreadExchange`, whose ranks are threads of one process.
 """
 
 from __future__ import annotations
@@ -14,38 +15,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from functools import partial
 
-__all__ = ["Buffer", "ExchangeError", "ExchangeTimeout", "PeerExchange", "ThreadExchange", "Transfer"]
+from kvpolicy.runtime.ports import Buffer, PeerExchange, Transfer
 
-
-class Buffer(Protocol):
-    """A flat, writable byte buffer of fixed length: a 1-D ``uint8`` tensor on an engine, a
-    ``bytearray`` or ``memoryview`` in pure tests. ``buffer[:] = other`` copies ``other``'s bytes in."""
-
-    def __len__(self) -> int: ...
-
-    def __setitem__(self, index: slice, value: Any, /) -> None: ...
-
-
-Transfer = tuple[int, Buffer]
-"""(the TP rank at the other end, the buffer sent from or received into)."""
-
-
-class PeerExchange(Protocol):
-    """Point-to-point transfers among the TP ranks, one call per exchange on every rank involved.
-
-    ``sends`` and ``receives`` pair a peer's TP rank with a buffer; between two ranks, the ``k``-th
-    send of one to the other fills the ``k``-th receive the other lists from it, so both must list
-    their transfers in the same order (the schedule does). Returns once every transfer is complete;
-    raises on a timeout or a mismatch, after which the caller stops exchanging (see
-    ``StripedReadStore.broken``): a transfer cut short may still land in a buffer of that call.
-    """
-
-    device_buffers: bool
-    """True: hand it buffers on the KV cache's device (NCCL); False: host buffers (gloo, threads)."""
-
-    def __call__(self, sends: Sequence[Transfer], receives: Sequence[Transfer]) -> None: ...
+__all__ = ["ExchangeError", "ExchangeTimeout", "ThreadExchange"]
 
 
 class ExchangeError(RuntimeError):
@@ -103,7 +77,7 @@ class ThreadExchange:
         for peer, buffer in receives:
             with self._changed:
                 box = self._mail.setdefault((peer, rank), deque())
-                self._wait(rank, lambda box=box: bool(box), deadline, f"a transfer from rank {peer}")
+                self._wait(rank, partial(bool, box), deadline, f"a transfer from rank {peer}")
                 parcel = box.popleft()
             try:
                 if len(parcel.buffer) != len(buffer):

@@ -1,14 +1,16 @@
 """The run-time policy of one rank of an instance, without vLLM or torch.
 
-:class:`RankPolicy` holds what kvpolicy decides while an instance runs, for one TP rank: the plan it
-starts with (demoted already where another instance of the same plan published a demotion, agreed on
-by every TP rank), each audited step's conclusion and what follows from it (the re-plan, the
-demotion and agreement markers, the status documents), the lookup gate, the memory of failed reads
-and the tally. It is written against :mod:`kvpolicy.runtime.ports` — the store's marker calls, a
-gather over the TP ranks, a clock — so its behaviour runs in pure tests with an in-memory store and
-a list collective. The vLLM worker (:class:`kvpolicy.vllm.worker.KVPolicyStoreWorker`) keeps
-upstream's override points and delegates here; what it still does itself is what touches vLLM: the
-layout from the ``KVCacheConfig``, the blocks of a step, digests on KV tensors, the token databases.
+:class:`RankPolicy` holds what kvpolicy decides while an instance runs, for one TP rank, and is the one
+owner of that state: the plan it starts with (demoted already where another instance of the same plan
+published a demotion, agreed on by every TP rank), each audited step's conclusion and what follows
+from it (the re-plan and its new :class:`~kvpolicy.runtime.binding.RankBinding`, the demotion and
+agreement markers, the status documents), the lookup gate, the memory of failed reads and the tally.
+It is written against :mod:`kvpolicy.runtime.ports` — the store's marker calls, a gather over the TP
+ranks, a clock — so its behaviour runs in pure tests with an in-memory store and a list collective.
+The vLLM worker (:class:`kvpolicy.vllm.worker.KVPolicyStoreWorker`) keeps upstream's override points
+and delegates here; what it still does itself is what touches vLLM: the layout from the
+``KVCacheConfig``, the blocks of a step, digests on KV tensors, the token databases, writing a
+binding into upstream's attributes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import secrets
 import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from kvpolicy.routers import (
     dynamo_refusals,
 )
 from kvpolicy.runtime.audit_step import Report, Samples, conclude_step
+from kvpolicy.runtime.binding import RankBinding, RankPlace
 from kvpolicy.runtime.markers import (
     LookupGate,
     agree_on_demotions,
@@ -54,14 +56,13 @@ from kvpolicy.runtime.markers import (
 from kvpolicy.runtime.ports import Clock, Gather, KVStore
 from kvpolicy.runtime.read_failures import ReadFailures
 from kvpolicy.runtime.tally import Tally
-from kvpolicy.settings import DEFAULT_READ_FAILURE_TTL_S
+from kvpolicy.settings import DEFAULT_READ_FAILURE_TTL_S, KVPolicySettings
 from kvpolicy.store_layout import StoreSharding
 
 # Under "vllm." so records reach vLLM's own handler when it runs in vLLM (it configures that tree only).
 logger = logging.getLogger(f"vllm.{__name__}")
 
 __all__ = [
-    "RankPlace",
     "RankPolicy",
     "capture_layout",
     "plan_and_replan",
@@ -71,20 +72,8 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class RankPlace:
-    """Where a rank sits: its (pcp, pp) namespace and whether it speaks for its stage or the instance."""
-
-    tp_rank: int = 0
-    pcp_rank: int = 0
-    pp_rank: int = 0
-    is_first_rank: bool = True
-    """Global rank 0 of the instance: it writes the status documents and counts instance-wide stats."""
-
-    @property
-    def speaks(self) -> bool:
-        """TP rank 0 of its (pcp, pp) stage: it logs, writes markers and records each step's stats."""
-        return self.tp_rank == 0
+ONLY_RANK = RankPlace()
+"""The place of an instance's one rank (TP 1, no pipeline or context parallelism)."""
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -188,14 +177,21 @@ def status_document(plan: Plan, audit: AuditState | None) -> dict[str, Any]:
 
 
 class RankPolicy:
-    """One rank's run-time policy: plan, audit, markers, lookup gate, read failures, tally, status files.
+    """One rank's run-time policy: plan, binding, audit, markers, lookup gate, read failures, tally,
+    status files. Build it from the connector's settings with :meth:`from_settings`.
+
+    Two plans are named apart. The *decided* plan (:attr:`decided_plan`) is the audit's: it changes the
+    moment an audited step demotes a group. The *bound* plan (:attr:`bound_plan`, the plan of
+    :attr:`binding`) is the one vLLM's worker and transfer threads run: it follows the decided plan only
+    once the caller has drained its transfers and written the new binding into vLLM (the
+    ``bind`` callback of :meth:`conclude_step`), so between the two no save or load straddles the
+    change of namespaces. Outside that moment they are the same plan.
 
     ``store`` is the rank's store client (markers), ``gather`` the collective over the TP ranks,
-    ``clock`` the read-failure memory's time (or ``read_failures`` itself, and the ``tally``, when the
-    caller made them before the store existed). ``plan_json`` / ``keys_json`` / ``dynamo_json`` are
+    ``clock`` the read-failure memory's time. ``plan_json`` / ``keys_json`` / ``dynamo_json`` are
     where the first rank writes the status documents (None: not written); ``dynamo_deployment`` is
     what Dynamo's descriptor states of the deployment besides the plan (None: hashing as Dynamo needs,
-    of an unknown vLLM)."""
+    of an unknown vLLM); ``prefix_cacheable`` which groups vLLM writes at all (None: every group)."""
 
     def __init__(
         self,
@@ -203,33 +199,66 @@ class RankPolicy:
         *,
         store: KVStore,
         gather: Gather,
-        place: RankPlace = RankPlace(),
+        place: RankPlace = ONLY_RANK,
         plan_json: Path | None = None,
         keys_json: Path | None = None,
         dynamo_json: Path | None = None,
         dynamo_deployment: DynamoDeployment | None = None,
         read_failure_ttl_s: float = DEFAULT_READ_FAILURE_TTL_S,
         clock: Clock = time.monotonic,
-        read_failures: ReadFailures | None = None,
-        tally: Tally | None = None,
+        prefix_cacheable: Sequence[bool] | None = None,
     ) -> None:
         self.policy = policy
+        """The policy the plans are made from."""
         self.store = store
+        """The rank's store client, for the markers."""
         self.place = place
-        self.read_failures = read_failures if read_failures is not None else ReadFailures(read_failure_ttl_s, clock=clock)
-        """Keys whose read failed lately; lookups report them missing (given: shared with the caller)."""
-        self.tally = tally if tally is not None else Tally()
-        """kvpolicy's counters since the last stats (given: shared with the caller)."""
+        """Where this rank sits in the instance."""
+        self.read_failures = ReadFailures(read_failure_ttl_s, clock=clock)
+        """Keys whose read failed lately; lookups report them missing."""
+        self.tally = Tally()
+        """kvpolicy's counters since the last stats."""
         self.gate = LookupGate(pcp_rank=place.pcp_rank, pp_rank=place.pp_rank)
         """Keeps lookups off shared namespaces no audit has verified."""
+        self.binding: RankBinding | None = None
+        """The bound plan as this rank runs it; None before :meth:`start`."""
+        self._prefix_cacheable = prefix_cacheable
         self._gather = gather
-        self._plan_json = plan_json if place.is_first_rank else None
-        self._keys_json = keys_json if place.is_first_rank else None
-        self._dynamo_json = dynamo_json if place.is_first_rank else None
+        self._plan_json = plan_json if place.is_first else None
+        self._keys_json = keys_json if place.is_first else None
+        self._dynamo_json = dynamo_json if place.is_first else None
         self._dynamo_deployment = dynamo_deployment
         self._audit: AuditState | None = None
         self._layout: Layout | None = None
         self._gate_logged = False
+
+    @classmethod
+    def from_settings(
+        cls,
+        policy: Policy,
+        settings: KVPolicySettings,
+        *,
+        store: KVStore,
+        gather: Gather,
+        place: RankPlace,
+        dynamo_deployment: DynamoDeployment | None = None,
+        prefix_cacheable: Sequence[bool] | None = None,
+        clock: Clock = time.monotonic,
+    ) -> RankPolicy:
+        """The run-time policy the connector's ``settings`` configure (status documents, read-failure TTL)."""
+        return cls(
+            policy,
+            store=store,
+            gather=gather,
+            place=place,
+            plan_json=settings.kvpolicy_plan_json,
+            keys_json=settings.keys_json_path(),
+            dynamo_json=settings.kvpolicy_dynamo_json,
+            dynamo_deployment=dynamo_deployment,
+            read_failure_ttl_s=settings.kvpolicy_read_failure_ttl_s,
+            clock=clock,
+            prefix_cacheable=prefix_cacheable,
+        )
 
     # --- the plan ---------------------------------------------------------------------------------
 
@@ -239,9 +268,36 @@ class RankPolicy:
         return self._audit
 
     @property
-    def plan(self) -> Plan | None:
-        """The plan the rank runs now; None before :meth:`start`."""
+    def decided_plan(self) -> Plan | None:
+        """The plan the audit has decided on (it changes as a step demotes); None before :meth:`start`."""
         return None if self._audit is None else self._audit.plan
+
+    @property
+    def bound_plan(self) -> Plan | None:
+        """The plan vLLM runs (:attr:`binding`'s); None before :meth:`start`."""
+        return None if self.binding is None else self.binding.plan
+
+    @property
+    def layout(self) -> Layout | None:
+        """The layout the plan was made from (given to :meth:`start`)."""
+        return self._layout
+
+    def group_of_key(self, key: str) -> int | None:
+        """The group a store key of this rank belongs to under the bound plan (None: no namespace of it)."""
+        return None if self.binding is None else self.binding.group_of_key(key)
+
+    def replica_set_of(self, group: int) -> tuple[int, ...]:
+        """This rank's replica set in ``group`` under the bound plan."""
+        return self._require_binding().replica_set_of(group)
+
+    def dedup_multiplier(self, group: int) -> int:
+        """Copies a policy without dedup writes per object the bound plan writes in ``group``."""
+        return self._require_binding().dedup_multipliers[group]
+
+    def _require_binding(self) -> RankBinding:
+        if self.binding is None:
+            raise RuntimeError("no plan yet: RankPolicy.start was not called")
+        return self.binding
 
     def start(self, declared: Plan, replan: Callable[[frozenset[int]], Plan], *, layout: Layout | None = None) -> Plan:
         """Start running ``declared`` (``replan(demoted)`` makes it again with groups at factor 1):
@@ -249,12 +305,18 @@ class RankPolicy:
         (:func:`kvpolicy.audit.demotion_key`), so that it loads the fallback's objects from its first
         lookup. Returns the plan to run.
 
-        Every TP rank reads the markers of its (pcp, pp) namespace and the ranks take the union
+        The plan returned is bound (:attr:`binding`). Every TP rank reads the markers of its (pcp, pp)
+        namespace and the ranks take the union
         (:func:`~kvpolicy.runtime.markers.agree_on_demotions`): a rank that alone saw a marker would
         otherwise skip audited steps the others make, and hang them in the collective. Whether the
         ranks gather at all depends on the plan only. ``layout`` is what the key contract is written
         from. Raises :class:`~kvpolicy.audit.ReplicationAuditError` under ``enforce`` when a demotion
         was inherited."""
+        plan = self._start(declared, replan, layout)
+        self.binding = RankBinding.of(plan, self.place, self._prefix_cacheable)
+        return plan
+
+    def _start(self, declared: Plan, replan: Callable[[frozenset[int]], Plan], layout: Layout | None) -> Plan:
         self._layout = layout
         fresh = AuditState(declared, replan=replan)
         self._audit = fresh
@@ -295,7 +357,7 @@ class RankPolicy:
     def report_plan(self) -> None:
         """The first rank's start-up report: the plan table in the log, the status documents, the
         plan in the tally (its info series)."""
-        if not self.place.is_first_rank:
+        if not self.place.is_first:
             return
         state = self._require_audit()
         logger.info(
@@ -372,14 +434,15 @@ class RankPolicy:
         *,
         comparisons: Mapping[int, ValueComparison] | None = None,
         distance: Callable[[Any, Any], float] | None = None,
-        on_plan_change: Callable[[Plan], None] = lambda plan: None,
+        bind: Callable[[RankBinding], None] = lambda binding: None,
         blocks_per_rank: int = 0,
         timings: Mapping[str, float] | None = None,
     ) -> StepOutcome:
         """One audited step: every rank's digests (and, where they differ, samples) concluded alike on
-        every rank (:func:`kvpolicy.runtime.audit_step.conclude_step`); ``on_plan_change(plan)`` runs
-        before anything else when the step re-planned (the worker drains its transfers and binds the
-        plan). Then, on the rank that speaks for its stage: the demotion published first, the log,
+        every rank (:func:`kvpolicy.runtime.audit_step.conclude_step`). When the step re-planned, the
+        new plan's binding goes to ``bind(binding)`` before anything else (the worker drains its
+        transfers and writes it into vLLM), and becomes :attr:`binding` once that returns. Then, on
+        the rank that speaks for its stage: the demotion published first, the log,
         the agreement markers, the tally, the status documents. Raises
         :class:`~kvpolicy.audit.ReplicationAuditError` under ``enforce``, after logging and counting it."""
         state = self._require_audit()
@@ -390,12 +453,14 @@ class RankPolicy:
         except ReplicationAuditError as error:
             if self.place.speaks:
                 logger.error("%s (audit: enforce stops the engine)", error)
-                if self.place.is_first_rank:
+                if self.place.is_first:
                     self.tally.audit_step(demoted=tuple(audit.group for audit in error.audits))
             raise
         if outcome.plan_changed:
             # No save or load may straddle the change of namespaces.
-            on_plan_change(outcome.plan)
+            binding = self._require_binding().for_plan(outcome.plan)
+            bind(binding)
+            self.binding = binding
         if self.place.speaks:
             self._after_step(outcome, blocks_per_rank, time.perf_counter() - started, timings or {})
         return outcome
@@ -442,7 +507,7 @@ class RankPolicy:
                 state.steps,
             )
         self.publish_agreements(outcome)
-        if self.place.is_first_rank:
+        if self.place.is_first:
             self.tally.audit_step(demoted=outcome.demoted)
             if outcome.plan_changed:
                 self.tally.plan(outcome.plan)

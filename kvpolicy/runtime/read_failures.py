@@ -25,11 +25,8 @@ from typing import Any
 from kvpolicy.runtime.ports import Clock, ReadStore
 from kvpolicy.settings import DEFAULT_READ_FAILURE_TTL_S
 
-__all__ = ["DEFAULT_TTL_S", "READ_FAILURE_TTL_KEY", "ReadFailures", "RecordingReadStore"]
+__all__ = ["DEFAULT_LIMIT", "ReadFailures", "RecordingReadStore"]
 
-READ_FAILURE_TTL_KEY = "kvpolicy_read_failure_ttl_s"
-"""The ``kv_connector_extra_config`` key of the TTL (:attr:`kvpolicy.settings.KVPolicySettings.kvpolicy_read_failure_ttl_s`)."""
-DEFAULT_TTL_S = DEFAULT_READ_FAILURE_TTL_S
 DEFAULT_LIMIT = 65_536
 """Keys remembered at most (the oldest are forgotten first): bounded memory whatever fails."""
 
@@ -39,7 +36,7 @@ class ReadFailures:
     the lookup server masks)."""
 
     def __init__(
-        self, ttl_s: float = DEFAULT_TTL_S, *, limit: int = DEFAULT_LIMIT, clock: Clock = time.monotonic
+        self, ttl_s: float = DEFAULT_READ_FAILURE_TTL_S, *, limit: int = DEFAULT_LIMIT, clock: Clock = time.monotonic
     ) -> None:
         self.ttl_s = ttl_s
         self._limit = limit
@@ -90,8 +87,8 @@ class ReadFailures:
 
 
 class RecordingReadStore:
-    """A receive thread's store client that records in ``failures`` every key a get did not read
-    (a negative code, or every key of a get that raised); everything else passes through."""
+    """A receive thread's store client (a :class:`~kvpolicy.runtime.ports.ReadStore`) that records in
+    ``failures`` every key a get did not read (a negative code, or every key of a get that raised)."""
 
     def __init__(self, store: ReadStore, failures: ReadFailures) -> None:
         self._store = store
@@ -102,10 +99,10 @@ class RecordingReadStore:
         """The client this wraps."""
         return self._store
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
+    def batch_get_replica_desc(self, keys: list[str]) -> Any:
+        return self._store.batch_get_replica_desc(keys)
 
-    def batch_get_into_multi_buffers(self, keys: list[str], *args: Any) -> Any:
+    def batch_get_into_multi_buffers(self, keys: list[str], *args: Any) -> Sequence[int]:
         try:
             results = self._store.batch_get_into_multi_buffers(keys, *args)
         except Exception:

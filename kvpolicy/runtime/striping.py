@@ -441,7 +441,7 @@ def _slot_runs(
     addresses: Sequence[Sequence[int]],
     storages: StorageMap,
 ) -> list[IndexRun]:
-    stretches = []  # (first unit, end unit) of consecutive kept units
+    stretches: list[tuple[int, int]] = []  # (first unit, end unit) of consecutive kept units
     for number, keep in enumerate(kept):
         if keep and stretches and stretches[-1][1] == number:
             stretches[-1] = (stretches[-1][0], number + 1)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TypedDict
 
 from kvpolicy.plan import Plan
 
-__all__ = ["GROUP_COUNTERS", "Tally", "empty_tally", "plan_info"]
+__all__ = ["GROUP_COUNTERS", "Tally", "TallyData", "empty_tally", "plan_info"]
 
 GROUP_COUNTERS = (
     "objects_written",
@@ -21,7 +21,21 @@ GROUP_COUNTERS = (
 """Per-group counters a worker keeps, in the order of :data:`kvpolicy.vllm.metrics.METRICS`."""
 
 
-def empty_tally() -> dict[str, Any]:
+class TallyData(TypedDict):
+    """What :meth:`Tally.drain` hands over: a plain dict (picklable, merged across workers)."""
+
+    groups: dict[str, dict[str, int]]
+    """Per group (its index as a string), :data:`GROUP_COUNTERS`."""
+    audit: dict[str, int]
+    """Audited steps per outcome (``agreed``, ``mismatch``)."""
+    demotions: dict[str, int]
+    """Per group (its index as a string), the audits that demoted it."""
+    lookups_gated: int
+    plan: list[dict[str, str]] | None
+    """:func:`plan_info` of the plan last published, None when none was."""
+
+
+def empty_tally() -> TallyData:
     """No counts yet."""
     return {"groups": {}, "audit": {}, "demotions": {}, "lookups_gated": 0, "plan": None}
 
@@ -65,7 +79,7 @@ class Tally:
             self._data["plan"] = plan_info(plan)
             self._dirty = True
 
-    def drain(self) -> dict[str, Any] | None:
+    def drain(self) -> TallyData | None:
         with self._lock:
             if not self._dirty:
                 return None

@@ -131,10 +131,6 @@ class Archetype:
             for layer, spec in self.specs(tp_size).items()
         }
 
-    @property
-    def distinct_kinds(self) -> int:
-        return len({kind for _, kind in self.layers})
-
 
 _BF16 = torch.bfloat16
 

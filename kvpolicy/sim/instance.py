@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import MooncakeLookupResult
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
@@ -41,10 +41,7 @@ from kvpolicy.sim.rank import Rank
 from kvpolicy.sim.scheduler import BlockTables, Prompt
 from kvpolicy.sim.store import Put
 
-if TYPE_CHECKING:
-    from kvpolicy.sim.fleet import Fleet
-
-__all__ = ["Instance", "LoadVerdict", "RankLoad", "SaveOutcome", "SaveRequest", "WrongBlock"]
+__all__ = ["FleetRun", "Instance", "LoadVerdict", "RankLoad", "SaveOutcome", "SaveRequest", "WrongBlock"]
 
 DEFAULT_TIMEOUT_S = 60.0
 """How long a step waits for a rank's transfer queue or collective before calling it a hang."""
@@ -168,13 +165,34 @@ class LoadVerdict:
         return tuple(sorted(ranks))
 
 
+class FleetRun(Protocol):
+    """What an instance reads of the fleet that started it (:class:`~kvpolicy.sim.fleet.Fleet`, which
+    imports this module, not the other way round): the prompt, key space and seed its instances share, and
+    the errors vLLM's transfer threads logged."""
+
+    @property
+    def token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def thread_errors(self) -> tuple[str, ...]: ...
+
+
 class Instance:
     """``tp_size`` ranks of one model under one policy (None: vLLM's own rules), started by a
     :class:`~kvpolicy.sim.fleet.Fleet`, which owns the store clients, the prompt and the key space."""
 
     def __init__(
         self,
-        fleet: Fleet,
+        fleet: FleetRun,
         model: SimulatedModel,
         policy: Policy | None,
         clients: Sequence[Any],

@@ -13,10 +13,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import M
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvpolicy.models import Policy
-from kvpolicy.runtime.collective import PeerExchange
+from kvpolicy.runtime.binding import RankPlace
+from kvpolicy.runtime.ports import PeerExchange
 from kvpolicy.sim.model import SimulatedModel
 from kvpolicy.sim.store import RecordingStore
-from kvpolicy.vllm.standalone import Ranks, init_standalone
+from kvpolicy.vllm.internals import init_standalone
 from kvpolicy.vllm.worker import KVPolicyStoreWorker
 
 if not torch.cuda.is_available():
@@ -59,17 +60,17 @@ class Rank:
         """Rank ``tp_rank`` of ``model`` under ``policy`` (None: vLLM's own rules), registered and running."""
         store = RecordingStore(client)
         dcp_size = model.dcp_size
-        ranks = Ranks(tp_rank=tp_rank, tp_size=model.tp_size, dcp_rank=tp_rank % dcp_size, dcp_size=dcp_size)
+        place = RankPlace(tp_rank=tp_rank, tp_size=model.tp_size, dcp_rank=tp_rank % dcp_size, dcp_size=dcp_size)
         worker: MooncakeStoreWorker
         if policy is None:
             worker = MooncakeStoreWorker.__new__(MooncakeStoreWorker)
             init_standalone(
-                worker, model.vllm_config, model.kv_cache_config, ranks=ranks, store=store, model=model.name,
+                worker, model.vllm_config, model.kv_cache_config, place=place, store=store, model=model.name,
                 total_num_kv_heads=model.total_num_kv_heads,
             )
         else:
             worker = KVPolicyStoreWorker.standalone(
-                model.vllm_config, model.kv_cache_config, policy=policy, ranks=ranks, store=store, model=model.name,
+                model.vllm_config, model.kv_cache_config, policy=policy, place=place, store=store, model=model.name,
                 total_num_kv_heads=model.total_num_kv_heads, gather=gather, exchange=exchange,
             )
         layout = model.vllm_config.cache_config.get_resolved_kv_cache_layout()

@@ -10,12 +10,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvpolicy.vllm.connector import KVPolicyConfigError, KVPolicyConnector, resolve_policy
+    from kvpolicy.vllm.config import KVPolicyConfigError
+    from kvpolicy.vllm.connector import KVPolicyConnector, resolve_policy
 
 __all__ = ["KVPolicyConfigError", "KVPolicyConnector", "resolve_policy"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "KVPolicyConfigError":
+        from kvpolicy.vllm import config
+
+        return config.KVPolicyConfigError
     if name in __all__:
         from kvpolicy.vllm import connector
 

@@ -1,45 +1,28 @@
-"""The vLLM half of the replication audit: which blocks to compare, reading them, the collective,
-the fallback, and the lookup gate.
+"""The vLLM half of the replication audit: which blocks a step saves, what number type their values
+are, and one rank's part in an audited step's collectives.
 
-The pure half (digests, verdicts, the per-instance :class:`~kvpolicy.audit.AuditState`) lives in
-:mod:`kvpolicy.audit`. Here:
+What an audited step concludes and what follows from it (re-plan, markers, the lookup gate, status
+documents) is :class:`kvpolicy.runtime.policy.RankPolicy`, without vLLM; the digests, verdicts and
+:class:`~kvpolicy.audit.AuditState` are :mod:`kvpolicy.audit`; reading blocks out of the KV tensors is
+:mod:`kvpolicy.device.blocks`. Here, what needs vLLM's objects:
 
 * :func:`blocks_to_audit` picks, from the connector metadata alone, the blocks of each audited group
   that this step saves. The metadata is broadcast by the scheduler and identical on every TP rank,
   so every rank picks the same block ids, and every rank decides the same way whether this step
   is audited at all — the decision that must never differ between ranks (see "Deadlocks" below).
-* :class:`BlockReader` reads those blocks generically: ``token_db.prepare_value_for_block`` gives
-  the (address, size) regions the store would write, and the reader slices a uint8 view of the
-  registered KV tensors' storage there. On a GPU only the audited blocks are copied to the host,
-  in one copy per group, on the current stream (so after the forward that wrote them).
-* :func:`conclude_step` runs the comparison in one or two collectives (:func:`gather_over_tp`:
-  ``all_gather_object`` over vLLM's TP group, ``get_tp_group().cpu_group``, gloo). First every
-  rank's digests (a few dozen bytes per group). Equal digests settle it. Where a replica set's
-  digests differ, a second gather brings an evenly strided sample of each rank's values
-  (:data:`SAMPLE_VALUES`), compared with :data:`kvpolicy.audit.REPLICA_TOLERANCE`: replicated
-  caches are not always bit-identical — vLLM's CPU all-reduce at TP=4 sums in a rank-dependent
-  order, and the replicas' KV then differ in the last bits (measured on a real TP=4 engine:
-  relative distance 9e-8, where distinct heads are ~1.4 apart). Without this the audit would
-  demote correct rules there.
-* :func:`value_comparisons` says, per group, what number type those values are
-  (:class:`~kvpolicy.audit.ValueComparison`): vLLM allocates fp8 KV caches (``fp8``,
-  ``fp8_e4m3``, ``fp8_e5m2``) as ``uint8`` tensors, so the tensor's dtype is not the values' type.
-  vLLM's own answer (:func:`fp8_element_type`) names the fp8 type — ``float8_e4m3fn`` for ``fp8``
-  and ``fp8_e4m3`` (``float8_e4m3fnuz`` on ROCm GPUs that use it), ``float8_e5m2`` — and the values
-  are compared in it, within one unit in the last place (:func:`kvpolicy.audit.rounding_tolerance`).
-  Caches that keep scales inside their blocks (``fp8_per_token_head``, ``fp8_ds_mla``, the
-  ``int8``/``int4`` per-token-head, NVFP4 and packed formats) or hold any other codes are compared
-  by exact digests only, and a mismatch's error says so. Byte codes are never compared as numbers.
-* :class:`LookupGate` (from :mod:`kvpolicy.runtime.markers`, as the markers below): before an instance has verified a replicated group itself, a lookup may use
-  the group's shared namespace only when another instance running the same plan left an
-  :func:`~kvpolicy.audit.agreement_key` there. Without it, the first request of a fresh instance
-  could load objects a trusting (``audit: off``) instance wrote under a wrong rule before this
-  instance's audit ever ran.
-* :func:`write_demotions` / :func:`read_demotions` / :func:`agree_on_demotions`: a demotion is
-  published under :func:`~kvpolicy.audit.demotion_key` of the instance's initial plan, and a fresh
-  instance of that plan reads those markers at start-up, agrees on them over the TP group and
-  starts demoted, so it hits the fallback's objects at once instead of missing until its own audit
-  demotes again.
+* :func:`value_comparisons` says, per group, what number type the values are
+  (:class:`~kvpolicy.audit.ValueComparison`): vLLM allocates fp8 KV caches (``fp8``, ``fp8_e4m3``,
+  ``fp8_e5m2``) as ``uint8`` tensors, so the tensor's dtype is not the values' type. vLLM's own
+  answer (:func:`fp8_element_type`) names the fp8 type, and the values are compared in it, within one
+  unit in the last place (:func:`kvpolicy.audit.rounding_tolerance`). Caches that keep scales inside
+  their blocks, or hold any other codes, are compared by exact digests only.
+* :func:`step_collectors` is one rank's part in the step's collectives (:func:`gather_over_tp`:
+  ``all_gather_object`` over the TP group's gloo group): first every rank's digests, then, where a
+  replica set's digests differ, an evenly strided sample of each rank's values
+  (:data:`~kvpolicy.device.blocks.SAMPLE_VALUES`), compared with
+  :data:`kvpolicy.audit.REPLICA_TOLERANCE` (vLLM's CPU all-reduce at TP=4 sums in a rank-dependent
+  order, so replicas may differ in the last bits).
+* :func:`record_stats` records an audited step in vLLM's connector stats.
 
 **The cap.** At most :data:`AUDIT_REQUESTS_PER_STEP` saving requests per step (in metadata order)
 and the last :data:`AUDIT_BLOCKS_PER_REQUEST` blocks each request saves for a group are digested:
@@ -48,62 +31,43 @@ after the policy's ``audit.steps``. The last blocks are the ones this step compu
 
 **Deadlocks.** Every TP rank must make the same collective calls in the same steps. Whether a
 step is audited depends only on (a) the connector metadata, identical on all ranks, and (b) the
-:class:`AuditState`, which changes only in ``conclude`` from the gathered digests of *all* ranks,
-so it is identical on all ranks too. Nothing rank-local feeds the decision: not the put schedule
-(under ``striped`` or ``leader`` ranks write different chunks, but all digest the same blocks),
-not the send thread's resume offsets, not whether a digest succeeded (a rank that fails to
-digest still joins the collective and reports ``None``; then nobody judges that step), not the
-lookup gate (it reads agreement markers but never changes what is audited), not the rank
-(rank 0 alone logs, writes markers and records stats — after the collective, and none of that
-feeds back). The second gather happens or not by a decision taken from the first gather's result,
-which every rank holds identically, and from :func:`value_comparisons`, a function of the cache
-configuration every rank shares; a rank that cannot sample still joins it (reporting ``None``,
-which cannot pass as close). Published demotions are rank-local reads (a store error, or a marker
-written between two ranks' reads, makes them differ), so they enter the :class:`AuditState` only
-through :func:`agree_on_demotions`, one gather at start-up that every rank makes whenever the plan
-has a group to audit — a decision taken from the plan alone — and whose union every rank holds.
+:class:`~kvpolicy.audit.AuditState`, which changes only from the gathered digests of *all* ranks,
+so it is identical on all ranks too. Nothing rank-local feeds the decision: not the put schedule,
+not whether a digest succeeded (a rank that fails to digest still joins the collective and reports
+``None``; then nobody judges that step), not the lookup gate, not the rank (rank 0 alone logs, writes
+markers and records stats — after the collective). The second gather happens or not by a decision
+taken from the first gather's result, which every rank holds identically, and from
+:func:`value_comparisons`, a function of the cache configuration every rank shares. Published
+demotions enter the audit state only through :func:`kvpolicy.runtime.markers.agree_on_demotions`, one
+gather at start-up that every rank makes whenever the plan has a group to audit.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     MooncakeStoreConnectorMetadata,
+    ReqMeta,
 )
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec, KVQuantMode, UniformTypeKVCacheSpecs
 
-from kvpolicy.audit import (
-    DEFAULT_COMPARISON,
-    AuditState,
-    StepOutcome,
-    ValueComparison,
-    value_comparison,
-)
-from kvpolicy.device.blocks import (
-    SAMPLE_VALUES,
-    BlockReader,
-    local_digests,
-    local_samples,
-    tensor_distance,
-)
-from kvpolicy.runtime import audit_step
-from kvpolicy.runtime.audit_step import Report, Samples, decode_report, decode_samples, encode_report
-from kvpolicy.runtime.markers import (
-    LookupGate,
-    agree_on_demotions,
-    read_demotions,
-    revoke_agreements,
-    write_agreements,
-    write_demotions,
-)
+from kvpolicy.audit import DEFAULT_COMPARISON, ValueComparison, value_comparison
+from kvpolicy.device.blocks import BlockReader, local_digests, local_layer_digests, local_samples
+from kvpolicy.runtime.audit_step import Report, Samples, encode_report
+from kvpolicy.runtime.discovery import RankDiscovery
+from kvpolicy.runtime.ports import Gather
 from kvpolicy.vllm import internals
+from kvpolicy.vllm.internals import StoreWorker
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import MooncakeStoreCoordinator
 
 # Under "vllm." so records reach vLLM's own handler (it configures only the "vllm" logger tree).
 logger = init_logger(f"vllm.{__name__}")
@@ -111,30 +75,16 @@ logger = init_logger(f"vllm.{__name__}")
 __all__ = [
     "AUDIT_BLOCKS_PER_REQUEST",
     "AUDIT_DEMOTED_OPERATION",
-    "AUDIT_STATS_OPERATION",
     "AUDIT_REQUESTS_PER_STEP",
-    "BlockReader",
-    "LookupGate",
-    "SAMPLE_VALUES",
-    "agree_on_demotions",
+    "AUDIT_STATS_OPERATION",
+    "KVCacheReader",
     "blocks_to_audit",
-    "conclude_step",
-    "decode_report",
-    "decode_samples",
-    "drain",
-    "encode_report",
+    "discovery_step",
     "fp8_element_type",
     "gather_over_tp",
-    "local_digests",
-    "local_samples",
-    "read_demotions",
     "record_stats",
-    "revoke_agreements",
     "step_collectors",
-    "tensor_distance",
     "value_comparisons",
-    "write_agreements",
-    "write_demotions",
 ]
 
 AUDIT_REQUESTS_PER_STEP = 4
@@ -156,7 +106,7 @@ AUDIT_DEMOTED_OPERATION = "kvpolicy_audit_demoted"
 
 def blocks_to_audit(
     metadata: MooncakeStoreConnectorMetadata,
-    coord: Any,
+    coord: MooncakeStoreCoordinator,
     groups: Iterable[int],
     *,
     max_requests: int = AUDIT_REQUESTS_PER_STEP,
@@ -190,7 +140,7 @@ def blocks_to_audit(
     return selected
 
 
-def _request_blocks(request: Any, coord: Any, groups: tuple[int, ...]) -> dict[int, list[int]]:
+def _request_blocks(request: ReqMeta, coord: MooncakeStoreCoordinator, groups: tuple[int, ...]) -> dict[int, list[int]]:
     lcm_block_size = coord.lcm_block_size
     token_len = request.token_len_chunk // lcm_block_size * lcm_block_size
     start = request.token_ids_start
@@ -289,11 +239,11 @@ def gather_over_tp(payload: Any) -> list[Any]:
 
 
 def step_collectors(
-    worker: Any,
+    worker: StoreWorker,
     blocks: Mapping[int, Sequence[int]],
     *,
     comparisons: Mapping[int, ValueComparison],
-    gather: Callable[[Any], Sequence[Any]],
+    gather: Gather,
     reader: BlockReader | None,
     timings: dict[str, float],
 ) -> tuple[Callable[[], list[Report]], Callable[[tuple[int, ...]], list[Samples]]]:
@@ -332,20 +282,7 @@ def step_collectors(
     return collect_reports, collect_samples
 
 
-def conclude_step(
-    state: AuditState,
-    collect_reports: Callable[[], Sequence[Report]],
-    collect_samples: Callable[[tuple[int, ...]], Sequence[Samples]],
-    *,
-    comparisons: Mapping[int, ValueComparison] | None = None,
-) -> StepOutcome:
-    """:func:`kvpolicy.runtime.audit_step.conclude_step` with sampled values compared on tensors."""
-    return audit_step.conclude_step(
-        state, collect_reports, collect_samples, comparisons=comparisons, distance=tensor_distance
-    )
-
-
-def record_stats(worker: Any, blocks: Mapping[int, Sequence[int]], seconds: float, *, demoted: int) -> None:
+def record_stats(worker: StoreWorker, blocks: Mapping[int, Sequence[int]], seconds: float, *, demoted: int) -> None:
     """Record one audited step (and its demoted groups) in the worker's connector stats."""
     num_bytes = sum(
         sum(worker.token_dbs[group].prepare_value_for_block(block_id)[1])
@@ -365,14 +302,46 @@ def record_stats(worker: Any, blocks: Mapping[int, Sequence[int]], seconds: floa
         internals.record_operation(worker, AUDIT_DEMOTED_OPERATION, 0.0, 1)
 
 
-# --- the fallback ----------------------------------------------------------------------------------
+# --- the KV tensors, read on first use ------------------------------------------------------------
 
 
-def drain(worker: Any) -> None:
-    """Wait until the worker's send and receive threads have no job queued or running."""
-    if worker.kv_send_thread is not None:
-        worker.kv_send_thread.request_queue.join()
-    worker.recv_request_queue.join()
+class KVCacheReader:
+    """The block reader of a rank's registered KV tensors, built when the audit or discovery first reads:
+    an engine running neither never scans them, whatever devices they lie on."""
+
+    def __init__(self, kv_caches: Mapping[str, torch.Tensor], tp_rank: int) -> None:
+        self._kv_caches = dict(kv_caches)
+        self._tp_rank = tp_rank
+        self._reader: BlockReader | None = None
+
+    def get(self) -> BlockReader | None:
+        """The reader; None where the tensors cannot be read (logged once; the audit then joins its
+        collectives empty)."""
+        if self._reader is None and self._kv_caches:
+            try:
+                self._reader = BlockReader(self._kv_caches)
+            except Exception:
+                logger.exception("kvpolicy: tp rank %d cannot read its KV caches for the audit or discovery", self._tp_rank)
+                self._kv_caches = {}
+        return self._reader
 
 
-# --- agreement markers and the lookup gate ---------------------------------------------------------
+def discovery_step(
+    worker: StoreWorker, discovery: RankDiscovery, metadata: MooncakeStoreConnectorMetadata, kv: KVCacheReader | None
+) -> None:
+    """Under ``kvpolicy_discover``, one observed step if this step saves blocks: every rank decides
+    alike from the metadata and the count of steps observed (:mod:`kvpolicy.runtime.discovery`)."""
+    if not discovery.observing:
+        return
+    groups = internals.kv_cache_groups(worker)
+    blocks = blocks_to_audit(metadata, worker.coord, range(len(groups)))
+    if not blocks:
+        return
+    reader = None if kv is None else kv.get()
+
+    def collect() -> dict[int, dict[str, list[tuple[str, bool]]]]:
+        if reader is None:
+            raise RuntimeError("no KV caches registered")
+        return local_layer_digests(worker.token_dbs, reader, blocks, {group: groups[group].layer_names for group in blocks})
+
+    discovery.observe_step(collect)

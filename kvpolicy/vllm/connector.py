@@ -6,8 +6,9 @@ Configure it with::
      "kv_role": "kv_both", "kv_connector_extra_config": {"kvpolicy": "default"}}
 
 ``kvpolicy`` is a shipped policy name, a policy file path, or ``{"policy": <name or path>,
-"strict": <bool>}``; the other ``kvpolicy*`` keys are :class:`kvpolicy.settings.KVPolicySettings`. The policy is loaded and validated first, in both roles, so a bad policy stops
-start-up with the validator's located messages before any store connection is made.
+"strict": <bool>}``; the other ``kvpolicy*`` keys are :class:`kvpolicy.settings.KVPolicySettings`.
+The policy is loaded and validated first, in both roles, so a bad policy stops start-up with the
+validator's located messages before any store connection is made.
 """
 
 from __future__ import annotations
@@ -22,25 +23,26 @@ from kvpolicy.vllm.version import check_vllm_version
 check_vllm_version(vllm.__version__)  # before any class of vLLM's connector is imported
 
 from vllm.config import VllmConfig  # noqa: E402
-from vllm.logger import init_logger  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
     KVConnectorPromMetrics,
     KVConnectorStats,
     PromMetric,
     PromMetricT,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import MooncakeStoreConnector  # noqa: E402
+from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from kvpolicy.diagnostics import Diagnostic, DocumentError  # noqa: E402
+from kvpolicy.diagnostics import DocumentError  # noqa: E402
 from kvpolicy.loader import load_policy  # noqa: E402
 from kvpolicy.models import Policy  # noqa: E402
 from kvpolicy.plan import Plan  # noqa: E402
-from kvpolicy.settings import EXTRA_CONFIG, KVPolicySettings, SettingsError, policy_usage  # noqa: E402
+from kvpolicy.settings import EXTRA_CONFIG, KVPolicySettings, policy_usage  # noqa: E402
 from kvpolicy.vllm import internals  # noqa: E402
+from kvpolicy.vllm.config import KVPolicyConfigError, parse_settings  # noqa: E402
 from kvpolicy.vllm.metrics import KVPolicyConnectorStats, KVPolicyPromMetrics  # noqa: E402
 from kvpolicy.vllm.worker import KVPolicyStoreWorker  # noqa: E402
 
@@ -49,9 +51,7 @@ logger = init_logger(f"vllm.{__name__}")
 __all__ = [
     "HIT_SOURCE",
     "POLICY_KEY",
-    "KVPolicyConfigError",
     "KVPolicyConnector",
-    "parse_settings",
     "resolve_policy",
 ]
 
@@ -63,28 +63,6 @@ HIT_SOURCE = CacheHitSource.HOST
 keeps objects in host memory (DRAM segments, this host's or another's), and vLLM's own tiering maps a
 tier on the CPU medium to ``host`` whatever its locality. (vLLM's fallback, ``external_unspecified``,
 is for connectors that do not say.)"""
-
-
-class KVPolicyConfigError(ValueError):
-    """``kv_connector_extra_config`` does not name a usable policy or holds bad kvpolicy settings.
-
-    The message is the validator's text (``path:line:col: error: ...``, one line per problem) or one
-    located line per bad setting (``kv_connector_extra_config.<key>: error: ...``).
-    """
-
-    def __init__(self, message: str, diagnostics: tuple[Diagnostic, ...] = ()) -> None:
-        super().__init__(message)
-        self.diagnostics = diagnostics
-
-
-def parse_settings(extra_config: Mapping[str, Any], *, check_side_files: bool = False) -> KVPolicySettings:
-    """The connector's settings in ``extra_config``; :class:`KVPolicyConfigError` with every problem.
-    With ``check_side_files`` (the first worker rank, the one that writes them) the side files' paths
-    are also judged against this host's files: a directory, a missing or unwritable parent."""
-    try:
-        return KVPolicySettings.parse(extra_config, check_side_files=check_side_files)
-    except SettingsError as error:
-        raise KVPolicyConfigError(str(error)) from None
 
 
 def resolve_policy(settings: KVPolicySettings | Mapping[str, Any]) -> Policy:

@@ -31,14 +31,26 @@ import textwrap
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from kvpolicy.runtime.binding import RankBinding, RankPlace
+from kvpolicy.runtime.ports import KVStore, ReadStore, SendStore
+
+if TYPE_CHECKING:
+    from vllm.config import CacheConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import MooncakeStoreCoordinator
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import ChunkedTokenDatabase
+    from vllm.v1.core.kv_cache_utils import BlockHash
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
 __all__ = [
     "REPEATED_INITS",
     "SURFACE",
     "Internal",
-    "Ranks",
+    "RecvThread",
     "RepeatedInit",
+    "SendThread",
+    "StoreWorker",
     "adopt_class",
     "assignments_and_calls",
     "bind_plan",
@@ -47,6 +59,7 @@ __all__ = [
     "counter_class",
     "decorate_recv_stores",
     "decorate_send_store",
+    "drain",
     "drift",
     "fp8_dtype",
     "gauge_class",
@@ -58,6 +71,7 @@ __all__ = [
     "layer_total_num_kv_heads",
     "lookup_key_prefixes",
     "make_mooncake_group_id",
+    "place_of",
     "present_block",
     "record_operation",
     "replicate_config_supports_group_ids",
@@ -236,6 +250,85 @@ REPEATED_INITS: tuple[RepeatedInit, ...] = (
 and the connector's worker role (builds kvpolicy's worker instead of upstream's)."""
 
 
+# --- vLLM's objects, as kvpolicy sees them ----------------------------------------------------------
+
+
+class SendThread(Protocol):
+    """What kvpolicy reads and writes of vLLM's ``KVCacheStoreSendingThread``."""
+
+    store: SendStore
+    """Its store client (decorated by :func:`decorate_send_store`)."""
+    tp_rank: int
+    """The rank its put phase is computed from (the plan's stripe rank: :func:`bind_plan`)."""
+    group_put_steps: Sequence[int]
+    group_participates: Sequence[bool]
+    request_queue: queue.Queue[Any]
+    """Its jobs; joined to drain it."""
+
+
+class RecvThread(Protocol):
+    """What kvpolicy reads and writes of vLLM's ``KVCacheStoreRecvingThread``."""
+
+    store: ReadStore
+    """Its store client (decorated by :func:`decorate_recv_stores`)."""
+
+
+class StoreWorker(Protocol):
+    """What kvpolicy reads and writes of vLLM's ``MooncakeStoreWorker`` (its attributes as upstream's
+    ``__init__`` and :func:`init_standalone` set them; the private ones only through this module)."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    pcp_rank: int
+    pcp_size: int
+    dcp_rank: int
+    dcp_size: int
+    dp_rank: int
+    store: KVStore
+    """The worker's own store client (lookups, markers)."""
+    cache_config: CacheConfig
+    hash_block_size: int
+    num_kv_head: int
+    """The model's KV heads over all TP ranks."""
+    can_put: bool
+    coord: MooncakeStoreCoordinator
+    token_dbs: list[ChunkedTokenDatabase]
+    kv_send_thread: SendThread | None
+    kv_recv_threads: list[RecvThread]
+    recv_request_queue: queue.Queue[Any]
+    disk_offload_buffer_budget_bytes: int | None
+    _capacity_only: bool
+    _kv_cache_config: KVCacheConfig
+    _kv_cache_groups: Sequence[KVCacheGroupSpec]
+    _lookup_key_prefixes: Sequence[Sequence[str]]
+    _group_tp_replication_factors: tuple[int, ...]
+
+    def _record_kv_connector_operation(
+        self, operation: str, duration_seconds: float, num_keys: int, *, num_bytes: int = 0, status: str = "ok",
+        num_failed_keys: int = 0,
+    ) -> None: ...
+
+    def _tail_key_boundaries(self, block_hashes: Sequence[BlockHash], hit_length: int, cached_block_pool: object) -> Any: ...
+
+
+def place_of(worker: StoreWorker) -> RankPlace:
+    """Where ``worker`` sits in the parallel groups, as upstream's ``__init__`` read it."""
+    return RankPlace(
+        tp_rank=worker.tp_rank, tp_size=worker.tp_size, pp_rank=worker.pp_rank, pp_size=worker.pp_size,
+        pcp_rank=worker.pcp_rank, pcp_size=worker.pcp_size, dcp_rank=worker.dcp_rank, dcp_size=worker.dcp_size,
+        dp_rank=worker.dp_rank,
+    )
+
+
+def drain(worker: StoreWorker) -> None:
+    """Wait until the worker's send and receive threads have no job queued or running."""
+    if worker.kv_send_thread is not None:
+        worker.kv_send_thread.request_queue.join()
+    worker.recv_request_queue.join()
+
+
 # --- the drift check -------------------------------------------------------------------------------
 
 
@@ -362,43 +455,17 @@ def drift(
 # upstream's ``__init__``).
 
 
-@dataclass(frozen=True)
-class Ranks:
-    """One worker's place in the parallel groups: what upstream's ``__init__`` asks torch.distributed."""
-
-    tp_rank: int
-    tp_size: int
-    pp_rank: int = 0
-    pp_size: int = 1
-    pcp_rank: int = 0
-    pcp_size: int = 1
-    dcp_rank: int = 0
-    dcp_size: int = 1
-    dp_rank: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "pcp", "dcp"):
-            rank, size = getattr(self, f"{name}_rank"), getattr(self, f"{name}_size")
-            if size < 1 or not 0 <= rank < size:
-                raise ValueError(f"{name} rank {rank} is outside a group of size {size}")
-
-    @property
-    def is_first(self) -> bool:
-        """Global rank 0 of the instance (``parallel_config.rank == 0``): it reports plans and layouts."""
-        return self.tp_rank == 0 and self.pp_rank == 0 and self.pcp_rank == 0 and self.dcp_rank == 0
-
-
 def init_standalone(
-    worker: Any,
-    vllm_config: Any,
-    kv_cache_config: Any,
+    worker: StoreWorker,
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
     *,
-    ranks: Ranks,
-    store: Any,
+    place: RankPlace,
+    store: KVStore,
     model: str,
     total_num_kv_heads: int,
 ) -> None:
-    """Set ``worker`` up as ``MooncakeStoreWorker.__init__`` does, with ``ranks`` and ``store`` given.
+    """Set ``worker`` up as ``MooncakeStoreWorker.__init__`` does, with its ``place`` and ``store`` given.
 
     Differences, each because the part cannot exist here: ``store`` is used as given (no segment is
     mounted from a config file); there is no lookup server (call ``worker.lookup`` directly, as the
@@ -415,15 +482,15 @@ def init_standalone(
 
     from kvpolicy.keys import model_basename
 
-    worker.dp_rank = ranks.dp_rank
-    worker.tp_rank = ranks.tp_rank
-    worker.tp_size = ranks.tp_size
-    worker.pp_size = ranks.pp_size
-    worker.pp_rank = ranks.pp_rank
-    worker.pcp_size = ranks.pcp_size
-    worker.pcp_rank = ranks.pcp_rank
-    worker.dcp_size = ranks.dcp_size
-    worker.dcp_rank = ranks.dcp_rank
+    worker.dp_rank = place.dp_rank
+    worker.tp_rank = place.tp_rank
+    worker.tp_size = place.tp_size
+    worker.pp_size = place.pp_size
+    worker.pp_rank = place.pp_rank
+    worker.pcp_size = place.pcp_size
+    worker.pcp_rank = place.pcp_rank
+    worker.dcp_size = place.dcp_size
+    worker.dcp_rank = place.dcp_rank
 
     transfer_config = vllm_config.kv_transfer_config
     if transfer_config is None or transfer_config.kv_role is None:
@@ -505,50 +572,41 @@ def adopt_class(instance: Any, cls: type) -> None:
     instance.__class__ = cls
 
 
-def bind_plan(
-    worker: Any,
-    factors: tuple[int, ...],
-    *,
-    token_databases: list[Any] | None,
-    lookup_key_prefixes: Any,
-    send_rank: int,
-    put_steps: Any,
-    participates: Any,
-) -> None:
-    """Write a plan into upstream's attributes: the factors, the token databases (``token_databases``
+def bind_plan(worker: StoreWorker, binding: RankBinding, *, token_databases: list[ChunkedTokenDatabase] | None) -> None:
+    """Write ``binding`` into upstream's attributes: the factors, the token databases (``token_databases``
     replace the worker's, keeping the regions registered in them; None keeps them), the lookup
     prefixes, and the send thread's stripe rank, put steps and participation. Call it while no save
     or load is in flight: the transfer threads read all of these per job."""
-    worker._group_tp_replication_factors = factors
+    worker._group_tp_replication_factors = binding.factors
     if token_databases is not None:
         for database, previous in zip(token_databases, worker.token_dbs, strict=True):
             database.set_kv_caches_base_addr(list(previous.kv_caches_base_addr))
             database.set_block_len(list(previous.block_len))
         # The same list object: the transfer threads hold it.
         worker.token_dbs[:] = token_databases
-    worker._lookup_key_prefixes = lookup_key_prefixes
+    worker._lookup_key_prefixes = binding.lookup_key_prefixes
     thread = worker.kv_send_thread
     if thread is not None:
-        thread.tp_rank = send_rank
-        thread.group_put_steps = put_steps
-        thread.group_participates = participates
+        thread.tp_rank = binding.send_rank
+        thread.group_put_steps = binding.put_steps
+        thread.group_participates = list(binding.participates)
 
 
-def decorate_send_store(worker: Any, wrap: Callable[[Any], Any]) -> None:
+def decorate_send_store(worker: StoreWorker, wrap: Callable[[SendStore], SendStore]) -> None:
     """Replace the send thread's store client by ``wrap(client)`` (no thread: nothing)."""
     thread = worker.kv_send_thread
     if thread is not None:
         thread.store = wrap(thread.store)
 
 
-def decorate_recv_stores(worker: Any, wrap: Callable[[Any], Any]) -> None:
+def decorate_recv_stores(worker: StoreWorker, wrap: Callable[[ReadStore], ReadStore]) -> None:
     """Replace every receive thread's store client by ``wrap(client)``; the last decoration is outermost."""
     for thread in worker.kv_recv_threads:
         thread.store = wrap(thread.store)
 
 
 def record_operation(
-    worker: Any, operation: str, seconds: float, num_keys: int, *, num_bytes: int = 0, status: str = "ok",
+    worker: StoreWorker, operation: str, seconds: float, num_keys: int, *, num_bytes: int = 0, status: str = "ok",
     num_failed_keys: int = 0,
 ) -> None:
     """One operation in vLLM's connector stats (upstream's private recorder)."""
@@ -576,7 +634,9 @@ def replicate_config_supports_group_ids(replicate_config_cls: type, replicate_co
     return _replicate_config_supports_group_ids(replicate_config_cls, replicate_config)
 
 
-def tail_key_boundaries(worker: Any, block_hashes: Any, hit_length: int, cached_block_pool: Any) -> Any:
+def tail_key_boundaries(
+    worker: StoreWorker, block_hashes: Sequence[BlockHash], hit_length: int, cached_block_pool: object
+) -> Any:
     """Upstream's tail-key boundaries of a lookup hit (``_tail_key_boundaries``)."""
     return worker._tail_key_boundaries(block_hashes, hit_length, cached_block_pool)
 
@@ -591,27 +651,27 @@ def make_mooncake_group_id(metadata: Any, chunk_hash: str) -> str:
 # --- upstream's private state, read and written ------------------------------------------------------
 
 
-def capacity_only(worker: Any) -> bool:
+def capacity_only(worker: StoreWorker) -> bool:
     """The store worker transfers no KV (a consumer with lookups and decode saves off)."""
     return worker._capacity_only
 
 
-def kv_cache_groups(worker: Any) -> Any:
+def kv_cache_groups(worker: StoreWorker) -> Sequence[KVCacheGroupSpec]:
     """The store worker's KV-cache groups as its coordinator sees them (``.kv_cache_spec``, ``.layer_names``)."""
     return worker._kv_cache_groups
 
 
-def kv_cache_config(worker: Any) -> Any:
+def kv_cache_config(worker: StoreWorker) -> KVCacheConfig:
     """The ``KVCacheConfig`` the store worker was built with."""
     return worker._kv_cache_config
 
 
-def lookup_key_prefixes(worker: Any) -> Any:
+def lookup_key_prefixes(worker: StoreWorker) -> Sequence[Sequence[str]]:
     """Per group, every namespace a lookup hit needs (what ``_init_lookup_key_prefixes`` set)."""
     return worker._lookup_key_prefixes
 
 
-def set_lookup_key_prefixes(worker: Any, prefixes: Any) -> None:
+def set_lookup_key_prefixes(worker: StoreWorker, prefixes: Sequence[Sequence[str]]) -> None:
     """What the ``_init_lookup_key_prefixes`` override point sets: per group, the lookup namespaces."""
     worker._lookup_key_prefixes = prefixes
 

@@ -24,17 +24,21 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import ExternalCachedBlockPool
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator import (
+    ExternalCachedBlockPool,
+    MooncakeStoreCoordinator,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import MooncakeLookupResult, PoolKey
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager, SlidingWindowManager
 
+from kvpolicy.runtime.read_failures import ReadFailures
 from kvpolicy.vllm import internals
-from kvpolicy.vllm.read_failures import ReadFailures
+from kvpolicy.vllm.internals import StoreWorker
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -67,7 +71,9 @@ class LookupProbes:
     keys: int = 0
     calls: int = 0
     masked: int = 0
-    """Stored keys reported missing because reading them had just failed (:mod:`kvpolicy.vllm.read_failures`)."""
+    """Stored keys reported missing because reading them had just failed (:mod:`kvpolicy.runtime.read_failures`)."""
+    gated: bool = False
+    """The lookup missed because the lookup gate was closed, not for want of objects (it probed nothing)."""
 
 
 class Walk(NamedTuple):
@@ -84,7 +90,7 @@ EVERYTHING = Walk(ascending=True, first_window=0)
 """A search whose walk is not known here: all of its candidates in one batch, as vLLM's lookup does."""
 
 
-def walks(coord: Any) -> dict[int, Walk]:
+def walks(coord: MooncakeStoreCoordinator) -> dict[int, Walk]:
     """Per group id, how the coordinator's hit search walks, by its manager class: full attention up,
     Mamba and sliding window down; any other manager (chunked local attention, a plugin's) gets every
     candidate in one batch."""
@@ -236,7 +242,7 @@ class ProbingBlockPool(ExternalCachedBlockPool):
         return self._present([group_id], block_hash)
 
 
-def _candidates(worker: Any, token_len: int, block_hashes: Sequence[BlockHash]) -> dict[int, list[bytes]]:
+def _candidates(worker: StoreWorker, token_len: int, block_hashes: Sequence[BlockHash]) -> dict[int, list[bytes]]:
     """Per group, the chunk hashes vLLM's lookup probes, in chunk order (its candidate list)."""
     coord = worker.coord
     fine_grained = coord.enable_partial_hash_hits
@@ -261,7 +267,7 @@ def _candidates(worker: Any, token_len: int, block_hashes: Sequence[BlockHash]) 
 
 
 def lookup(
-    worker: Any, num_tokens: int, block_hashes: Sequence[BlockHash], *, read_failures: ReadFailures | None = None
+    worker: StoreWorker, num_tokens: int, block_hashes: Sequence[BlockHash], *, read_failures: ReadFailures | None = None
 ) -> tuple[MooncakeLookupResult, LookupProbes]:
     """``MooncakeStoreWorker.lookup`` of ``worker`` (same hit length, same tail boundaries on the same
     store), over a :class:`ProbingBlockPool`; also what it probed. Keys in ``read_failures`` are
@@ -330,7 +336,7 @@ class _ProbeTime:
         self.failed += failed
         self.calls += 1
 
-    def record(self, worker: Any) -> None:
+    def record(self, worker: StoreWorker) -> None:
         """The lookup's one ``lookup_exists`` (none when it probed nothing, as vLLM's lookup records none)."""
         if self.calls:
             internals.record_operation(
@@ -375,7 +381,7 @@ class SearchReads:
         return sum(count * self.namespaces[group] for group, count in self.candidates.items())
 
 
-def search_reads(worker: Any, num_tokens: int, block_hashes: Sequence[BlockHash]) -> SearchReads:
+def search_reads(worker: StoreWorker, num_tokens: int, block_hashes: Sequence[BlockHash]) -> SearchReads:
     """:class:`SearchReads` of this lookup on ``worker``'s store now: every candidate is probed (vLLM's
     one batch), then vLLM's search runs over those answers and records each (group, chunk) it reads."""
     coord = worker.coord

@@ -28,9 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import 
     MooncakeStorePromMetrics,
 )
 
-from kvpolicy.models import Schedule
-from kvpolicy.plan import Plan
-from kvpolicy.runtime.tally import GROUP_COUNTERS, Tally, empty_tally, plan_info
+from kvpolicy.runtime.ports import SendStore
+from kvpolicy.runtime.tally import GROUP_COUNTERS, Tally, empty_tally
 from kvpolicy.vllm import internals
 
 METRICS: dict[str, str] = {
@@ -49,23 +48,22 @@ METRICS: dict[str, str] = {
 """Every series kvpolicy adds to vLLM's ``/metrics``, with its help text."""
 
 
-def dedup_multiplier(plan: Plan, group: int) -> int:
-    """Copies a policy without dedup writes for each object this plan writes in ``group``: a replica
-    set of ``factor`` ranks writes each chunk once (striped, leader), or every member does (all)."""
-    return 1 if plan.schedule is Schedule.ALL else plan.groups[group].factor
-
-
 class CountingStore:
-    """vLLM's Mooncake store client as the send thread sees it, counting per group what it puts and
-    what it finds already stored. Everything else passes straight through."""
+    """vLLM's Mooncake store client as the send thread sees it (a :class:`~kvpolicy.runtime.ports.SendStore`),
+    counting per group what it puts and what it finds already stored. ``group_of(key)`` is a key's
+    group (None: not a plan key), ``multiplier(group)`` the copies a policy without dedup would write."""
 
-    def __init__(self, store: Any, tally: Tally, group_of: Callable[[str], int | None], multiplier: Callable[[int], int]):
+    def __init__(
+        self, store: SendStore, tally: Tally, group_of: Callable[[str], int | None], multiplier: Callable[[int], int]
+    ) -> None:
         self._store, self._tally, self._group_of, self._multiplier = store, tally, group_of, multiplier
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
+    @property
+    def inner(self) -> SendStore:
+        """The client this wraps."""
+        return self._store
 
-    def batch_is_exist(self, keys: Sequence[str]) -> Any:
+    def batch_is_exist(self, keys: list[str]) -> Sequence[int]:
         found = self._store.batch_is_exist(keys)
         skipped: dict[int, int] = {}
         for key, exists in zip(keys, found, strict=False):
@@ -76,8 +74,10 @@ class CountingStore:
             self._tally.add(group, puts_skipped_existing=count)
         return found
 
-    def batch_put_from_multi_buffers(self, keys: Sequence[str], addrs: Any, sizes: Sequence[Sequence[int]], *args: Any) -> Any:
-        results = self._store.batch_put_from_multi_buffers(keys, addrs, sizes, *args)
+    def batch_put_from_multi_buffers(
+        self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]], config: Any = None
+    ) -> Sequence[int]:
+        results = self._store.batch_put_from_multi_buffers(keys, addrs, sizes, config)
         written: dict[int, list[int]] = {}
         for key, size, result in zip(keys, sizes, results, strict=False):
             group = self._group_of(key)

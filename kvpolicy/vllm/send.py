@@ -23,6 +23,7 @@ needs the boundary state as well, which failed either way).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import worker as upstream
@@ -31,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import K
 from vllm.logger import init_logger
 
 from kvpolicy.keys import split_chunk_key
+from kvpolicy.runtime.ports import SendStore
 from kvpolicy.vllm import internals
 
 logger = init_logger(f"vllm.{__name__}")
@@ -64,22 +66,19 @@ class _BoundaryBatch:
 
 
 class _RidingStore:
-    """The send thread's store client, with the pending boundary batch prepended to the next
-    exists check and put that upstream's chunk save makes; everything else passes through."""
+    """The send thread's store client (a :class:`~kvpolicy.runtime.ports.SendStore`), with the pending
+    boundary batch prepended to the next exists check and put that upstream's chunk save makes."""
 
-    def __init__(self, store: Any, thread: MergedSaveSendingThread) -> None:
+    def __init__(self, store: SendStore, thread: MergedSaveSendingThread) -> None:
         self._store = store
         self._thread = thread
 
     @property
-    def inner(self) -> Any:
+    def inner(self) -> SendStore:
         """The client this wraps."""
         return self._store
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-    def batch_is_exist(self, keys: list[str]) -> Any:
+    def batch_is_exist(self, keys: list[str]) -> Sequence[int]:
         batch = self._thread.pending_boundary_batch
         if batch is None or batch.exists is not None:
             return self._store.batch_is_exist(keys)
@@ -93,7 +92,7 @@ class _RidingStore:
 
     def batch_put_from_multi_buffers(
         self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]], config: Any = None
-    ) -> Any:
+    ) -> Sequence[int]:
         batch = self._thread.pending_boundary_batch
         if batch is None or batch.settled or batch.exists is None:
             return self._store.batch_put_from_multi_buffers(keys, addrs, sizes, config)

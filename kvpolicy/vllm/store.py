@@ -24,7 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
 from vllm.v1.core.kv_cache_utils import BlockHash
 
 from kvpolicy.keys import chunk_key
-from kvpolicy.plan import GroupPlan, Plan
+from kvpolicy.plan import Plan
+from kvpolicy.runtime.binding import RankBinding
 
 __all__ = [
     "PlanLBHNCStoreLayout",
@@ -32,10 +33,8 @@ __all__ = [
     "PlanShardedStoreLayout",
     "PlanStoreLayout",
     "build_token_databases",
-    "group_participates",
-    "group_put_steps",
-    "lookup_key_prefixes",
-    "send_thread_rank",
+    "chunk_bytes_per_rank",
+    "rebuild_token_databases",
 ]
 
 
@@ -216,59 +215,23 @@ def build_token_databases(
     return databases
 
 
-def _send_thread_step(group: GroupPlan) -> int:
-    """The put step vLLM's send thread must use for ``group``, checked against every rank.
-
-    The send thread derives a rank's phase as ``(tp_rank + group) % step`` from its own ``tp_rank``
-    attribute, which the worker sets to the plan's stripe rank (:func:`send_thread_rank`); a schedule
-    whose phases follow another rule cannot be expressed, so it is refused rather than mis-striped.
-    """
-    steps = {rank.schedule.step for rank in group.ranks}
-    if len(steps) != 1:
-        raise ValueError(f"group {group.index}: ranks use different put steps {sorted(steps)}")
-    (step,) = steps
-    for rank in group.ranks:
-        if rank.schedule.phase != (rank.stripe_rank + group.index) % step:
-            raise ValueError(
-                f"group {group.index}: rank {rank.tp_rank} has phase {rank.schedule.phase}, but vLLM's send "
-                f"thread uses (stripe rank + group) % step = {(rank.stripe_rank + group.index) % step}"
-            )
-    return step
-
-
-def send_thread_rank(plan: Plan, tp_rank: int) -> int:
-    """What ``KVCacheStoreSendingThread.tp_rank`` must hold for ``tp_rank`` (the thread reads it only
-    to compute its put phase): the plan's stripe rank, the same in every group. Under DCP it is
-    ``tp_rank // dcp_size``, so the members of a strided replica set get consecutive phases."""
-    stripe_ranks = {group.ranks[tp_rank].stripe_rank for group in plan.groups}
-    if len(stripe_ranks) != 1:
-        raise ValueError(f"tp_rank {tp_rank} has different stripe ranks {sorted(stripe_ranks)} across groups")
-    (stripe_rank,) = stripe_ranks
-    return stripe_rank
-
-
-def group_put_steps(plan: Plan) -> tuple[int, ...]:
-    """``KVCacheStoreSendingThread.group_put_steps``: the factor under ``striped``, 1 otherwise."""
-    return tuple(_send_thread_step(group) for group in plan.groups)
-
-
-def group_participates(plan: Plan, tp_rank: int, prefix_cacheable: Sequence[bool]) -> list[bool]:
-    """``KVCacheStoreSendingThread.group_participates`` for ``tp_rank``.
-
-    A group is written by this rank when vLLM would write it at all (prefix-cacheable) and the
-    plan's schedule keeps the rank active (under ``leader`` only replica-set leaders are).
-    """
-    if len(prefix_cacheable) != len(plan.groups):
-        raise ValueError(f"the plan has {len(plan.groups)} groups but {len(prefix_cacheable)} flags were given")
-    return [
-        bool(cacheable) and group.ranks[tp_rank].schedule.active
-        for group, cacheable in zip(plan.groups, prefix_cacheable, strict=True)
-    ]
-
-
-def lookup_key_prefixes(plan: Plan) -> tuple[tuple[str, ...], ...]:
-    """``MooncakeStoreWorker._lookup_key_prefixes``: per group, every namespace a hit needs."""
-    return tuple(group.lookup_namespaces for group in plan.groups)
+def rebuild_token_databases(
+    binding: RankBinding, previous: Sequence[ChunkedTokenDatabase]
+) -> list[ChunkedTokenDatabase] | None:
+    """The token databases of ``binding``'s plan, with the block sizes and key metadata of ``previous``
+    (the worker's, built in ``__init__``); None where there are none yet (nothing registered)."""
+    if not previous:
+        return None
+    if binding.plan.store_sharding is not None:
+        # Unreachable: under a TP-sharded store every group has factor 1, so no audit demotes.
+        raise RuntimeError("kvpolicy: a TP-sharded store layout is never re-planned")
+    place = binding.place
+    return build_token_databases(
+        binding.plan, tp_rank=place.tp_rank, pcp_rank=place.pcp_rank, pp_rank=place.pp_rank,
+        block_sizes=[database.block_size for database in previous],
+        hash_block_sizes=[database.hash_block_size for database in previous],
+        metadata=dataclasses.replace(previous[0].metadata, tp_rank=place.tp_rank, group_id=0),
+    )
 
 
 def chunk_bytes_per_rank(database: ChunkedTokenDatabase) -> int:

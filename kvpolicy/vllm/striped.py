@@ -1,6 +1,6 @@
-"""``load: striped`` in vLLM's worker: the connector's options, when striping can run, and the exchange
-over vLLM's TP group. The striped store itself is :mod:`kvpolicy.device.striped` (torch only), its
-schedule :mod:`kvpolicy.runtime.striping` (neither).
+"""``load: striped`` in vLLM's worker: when striping can run, and the exchange over vLLM's TP group.
+The striped store itself is :mod:`kvpolicy.device.striped` (torch only), its schedule
+:mod:`kvpolicy.runtime.striping` (neither); :mod:`kvpolicy.vllm.stores` installs it.
 
 Every TP rank must make the same exchanges in the same order: one series of pieces per
 ``batch_get_into_multi_buffers`` call, which holds while a rank has one receive thread and no
@@ -15,44 +15,13 @@ from collections.abc import Sequence
 
 import torch
 
-from kvpolicy.device.striped import (
-    EXCHANGE_FAILED,
-    GlooExchange,
-    KVStorages,
-    NcclExchange,
-    StripeCounts,
-    StripedReadStore,
-    gloo_exchange,
-    nccl_exchange,
-    stripe_owner,
-    torchcomms_enabled,
-)
-from kvpolicy.runtime.collective import PeerExchange
+from kvpolicy.device.striped import gloo_exchange, nccl_exchange
+from kvpolicy.runtime.ports import PeerExchange
 
-__all__ = [
-    "EXCHANGE_FAILED",
-    "EXCHANGE_KEY",
-    "PIECE_MIB_KEY",
-    "GlooExchange",
-    "KVStorages",
-    "NcclExchange",
-    "StripeCounts",
-    "StripedReadStore",
-    "exchange_over_tp",
-    "gloo_exchange",
-    "nccl_exchange",
-    "stripe_owner",
-    "striping_possible",
-    "torchcomms_enabled",
-]
+__all__ = ["exchange_over_tp", "striping_possible"]
 
 # vLLM's init_logger is logging.getLogger under the "vllm" logger it configures; this name keeps that.
 logger = logging.getLogger(f"vllm.{__name__}")
-
-PIECE_MIB_KEY = "kvpolicy_striped_piece_mib"
-"""The ``kv_connector_extra_config`` key of :attr:`kvpolicy.settings.KVPolicySettings.kvpolicy_striped_piece_mib`."""
-EXCHANGE_KEY = "kvpolicy_striped_exchange"
-"""The ``kv_connector_extra_config`` key of :attr:`kvpolicy.settings.KVPolicySettings.kvpolicy_striped_exchange`."""
 
 
 def striping_possible(

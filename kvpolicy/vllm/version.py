@@ -1,7 +1,7 @@
 """Which vLLM releases the connector is built for, checked before any of vLLM's connector classes load.
 
 kvpolicy overrides three methods of vLLM's ``MooncakeStoreWorker`` and rebuilds its ``__init__``
-(:mod:`kvpolicy.vllm.standalone`); both are checked against 0.32 and 0.33 by the equivalence and
+(:func:`kvpolicy.vllm.internals.init_standalone`); both are checked against 0.32 and 0.33 by the equivalence and
 drift tests. Another release may have moved what the overrides rely on, so it is refused at import
 with one line rather than run on trust.
 """
@@ -29,5 +29,6 @@ def check_vllm_version(version: str) -> None:
     if found is None or (int(found.group(1)), int(found.group(2))) not in SUPPORTED_SERIES:
         raise UnsupportedVLLMError(
             f"kvpolicy supports vLLM {supported_range()}, but vLLM {version!r} is installed; install a supported "
-            "release (in a kvpolicy checkout: pip install '.[vllm]' on GPUs, '.[cpu]' on CPUs; see the README's Install) or a kvpolicy that supports it"
+            "release (in a kvpolicy checkout: pip install '.[vllm]' on GPUs, '.[cpu]' on CPUs; see the README's "
+            "Install) or a kvpolicy that supports it"
         )

@@ -9,8 +9,6 @@ from conftest import require
 require("vllm")
 require("mooncake.store")
 
-pytestmark = pytest.mark.integration
-
 
 def test_the_demo_without_the_engine_runs_every_step_and_succeeds(capsys: pytest.CaptureFixture[str]) -> None:
     from kvpolicy.app.demo import run_demo

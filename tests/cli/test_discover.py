@@ -183,7 +183,9 @@ def test_the_observation_summary_says_no_evidence_for_a_group_that_compared_no_b
     (loaded,), _ = load_reports([str(report(tmp_path, "r.yaml", "deepseek-v3", 2, lambda layer, spec: 2, zero=True))])
     lines, every_layer_observed = observation_summary(loaded.report, "r.yaml")
     assert not every_layer_observed  # discover --layout exits 3
-    assert lines[1] == "  group 0 mla (MLAAttentionSpec): no evidence: no block compared in any of its 61 layers (488 all zero on some rank)"
+    assert lines[1] == (
+        "  group 0 mla (MLAAttentionSpec): no evidence: no block compared in any of its 61 layers (488 all zero on some rank)"
+    )
 
 
 def test_the_observation_summary_gives_a_groups_partition_and_factor_where_it_compared_blocks(tmp_path) -> None:

@@ -90,14 +90,12 @@ def audit_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, obje
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.integration
 def test_the_audit_report_carries_its_kind_and_version(capsys: pytest.CaptureFixture[str]) -> None:
     document = audit_json(capsys, "--policy", "default", "--archetype", "mla")
     assert list(document)[:2] == ["version", "kind"] and "groups" in document
     assert (document["kind"], document["version"]) == ("AuditReport", DOCUMENT_VERSIONS["AuditReport"])
 
 
-@pytest.mark.integration
 def test_an_enforced_audits_stop_is_an_audit_report_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     wrong = (REPO / "examples" / "policies" / "wrong-attention-replicated-audited.yaml").read_text(encoding="utf-8")
     assert "mode: warn" in wrong

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvpolicy.device.striped import KVStorages, StripedReadStore
-from kvpolicy.runtime.collective import PeerExchange
+from kvpolicy.runtime.ports import PeerExchange
 
 
 @dataclass(frozen=True)

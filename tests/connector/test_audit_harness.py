@@ -43,18 +43,26 @@ from kvpolicy.audit import (  # noqa: E402
     relative_distance,
     rounding_tolerance,
 )
+from kvpolicy.device.blocks import BlockReader, tensor_distance  # noqa: E402
 from kvpolicy.engine import make_plan  # noqa: E402
 from kvpolicy.loader import load_layout, load_policy  # noqa: E402
 from kvpolicy.models import Audit, AuditMode, Policy, Topology  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
-from kvpolicy.vllm import audit as online_audit  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
+from kvpolicy.runtime import markers  # noqa: E402
 from kvpolicy.runtime.policy import status_document  # noqa: E402
-from kvpolicy.sim import ARCHETYPES, BLOCK_SIZE, ConsistencyReport, Fleet, build_model, run_consistency  # noqa: E402
+from kvpolicy.sim import (  # noqa: E402
+    ARCHETYPES,
+    BLOCK_SIZE,
+    ConsistencyReport,
+    Fleet,
+    build_model,
+    content,
+    run_consistency,
+    scheduler,
+)
 from kvpolicy.sim.archetypes import Archetype  # noqa: E402
-from kvpolicy.sim import content, scheduler  # noqa: E402
-
-pytestmark = pytest.mark.integration
+from kvpolicy.vllm import audit as online_audit  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 WRONG = REPO / "examples" / "policies" / "wrong-attention-replicated.yaml"
@@ -201,7 +209,7 @@ def test_the_gate_refuses_a_shared_namespace_no_audit_vouched_for(kimi_plan, cli
     try:
         client.remove(agreement_key(kimi_plan, 3), True)
         assert state.untrusted_groups() == (3,)
-        assert not online_audit.LookupGate().open(state, client)
+        assert not markers.LookupGate().open(state, client)
     finally:
         clients.release([client])
 
@@ -210,8 +218,8 @@ def test_the_gate_opens_on_another_instances_agreement(kimi_plan, clients: Clien
     state = AuditState(kimi_plan, replan=lambda demoted: kimi_plan)
     (client,) = clients.acquire(1)
     try:
-        assert online_audit.write_agreements(client, kimi_plan, [3]) in (0, 1)
-        assert online_audit.LookupGate().open(state, client)
+        assert markers.write_agreements(client, kimi_plan, [3]) in (0, 1)
+        assert markers.LookupGate().open(state, client)
     finally:
         client.remove(agreement_key(kimi_plan, 3), True)
         clients.release([client])
@@ -229,7 +237,7 @@ def test_the_gate_takes_agreements_over_replica_sets_at_least_as_large_as_its_ow
     try:
         client.remove(agreement_key(kimi_plan, 3), True)
         assert client.put(key, b"agreed") == 0
-        assert online_audit.LookupGate().open(state, client) is opens
+        assert markers.LookupGate().open(state, client) is opens
     finally:
         client.remove(key, True)
         clients.release([client])
@@ -239,7 +247,7 @@ def test_the_gate_stays_open_under_audit_off(clients: ClientPool) -> None:
     compat = make_plan(load_policy("vllm-compat"), load_layout("kimi-linear-48b-a3b"), Topology(tp_size=4))
     (client,) = clients.acquire(1)
     try:
-        assert online_audit.LookupGate().open(AuditState(compat, replan=lambda demoted: compat), client)
+        assert markers.LookupGate().open(AuditState(compat, replan=lambda demoted: compat), client)
     finally:
         clients.release([client])
 
@@ -251,10 +259,10 @@ def test_written_demotions_are_read_back_with_their_messages(kimi_plan, clients:
     (client,) = clients.acquire(1)
     long = "replication audit: group 3 (mla) " + "x" * (2 * DEMOTION_MESSAGE_LIMIT)
     try:
-        assert online_audit.write_demotions(client, kimi_plan, {1: "group 1 differs", 3: long}, pp_rank=1) == 2
-        found = online_audit.read_demotions(client, kimi_plan, range(4), pp_rank=1)
+        assert markers.write_demotions(client, kimi_plan, {1: "group 1 differs", 3: long}, pp_rank=1) == 2
+        found = markers.read_demotions(client, kimi_plan, range(4), pp_rank=1)
         assert found == {1: "group 1 differs", 3: long[:DEMOTION_MESSAGE_LIMIT]}
-        assert online_audit.read_demotions(client, kimi_plan, range(4)) == {}  # another pp rank's namespace
+        assert markers.read_demotions(client, kimi_plan, range(4)) == {}  # another pp rank's namespace
     finally:
         for group in (1, 3):
             client.remove(demotion_key(kimi_plan, group, pp_rank=1), True)
@@ -265,9 +273,9 @@ def test_a_demotion_of_one_plan_is_not_read_by_another(kimi_plan, clients: Clien
     other = make_plan(load_policy("default"), load_layout("kimi-linear-48b-a3b"), Topology(tp_size=4), demoted=[3])
     (client,) = clients.acquire(1)
     try:
-        online_audit.write_demotions(client, kimi_plan, {3: "group 3 differs"})
-        assert online_audit.read_demotions(client, other, [3]) == {}
-        assert online_audit.read_demotions(client, kimi_plan, [3]) == {3: "group 3 differs"}
+        markers.write_demotions(client, kimi_plan, {3: "group 3 differs"})
+        assert markers.read_demotions(client, other, [3]) == {}
+        assert markers.read_demotions(client, kimi_plan, [3]) == {3: "group 3 differs"}
     finally:
         client.remove(demotion_key(kimi_plan, 3), True)
         clients.release([client])
@@ -292,12 +300,12 @@ class _UncertainStore:
 
 @pytest.mark.parametrize("store", [_BrokenStore(), _UncertainStore()], ids=["raises", "error-codes"])
 def test_a_failing_store_reads_as_no_demotion(kimi_plan, store: Any) -> None:
-    assert online_audit.read_demotions(store, kimi_plan, [3]) == {}
+    assert markers.read_demotions(store, kimi_plan, [3]) == {}
 
 
 def test_ranks_agree_on_the_union_of_the_demotions_they_read() -> None:
     by_rank = [{0: "rank 0 saw it"}, {}, {0: "rank 2 saw it", 1: "only rank 2"}, None]
-    agreed = online_audit.agree_on_demotions({}, gather=lambda payload: by_rank)
+    agreed = markers.agree_on_demotions({}, gather=lambda payload: by_rank)
     assert agreed == {0: "rank 0 saw it", 1: "only rank 2"}
 
 
@@ -385,7 +393,9 @@ def test_a_demotion_only_another_rank_read_is_inherited_by_every_rank(
 def test_enforce_refuses_to_start_after_another_instance_demoted(
     wrong_model: Any, store_client: Any, one_rank_gather: list[Any]
 ) -> None:
-    previous = planning_worker(with_audit(load_policy(WRONG), AuditMode.WARN), wrong_model, store_client, gather=gather_with(one_rank_gather))
+    previous = planning_worker(
+        with_audit(load_policy(WRONG), AuditMode.WARN), wrong_model, store_client, gather=gather_with(one_rank_gather)
+    )
     _demote(previous, 1)
     with pytest.raises(ReplicationAuditError) as stopped:
         planning_worker(
@@ -589,7 +599,7 @@ def test_a_layer_with_states_of_several_dtypes_is_read_per_state() -> None:
     ssm = torch.as_strided(raw.view(torch.float32), (blocks, 8), (page // 4, 1), 2)
     conv.copy_(torch.arange(16, dtype=torch.float32).view(blocks, 4))
     ssm.copy_(-torch.arange(32, dtype=torch.float32).view(blocks, 8) / 8)
-    reader = online_audit.BlockReader({"layer.0": [conv, ssm]})
+    reader = BlockReader({"layer.0": [conv, ssm]})
     values = reader.values(None, [2, 1], reader.tensors(["layer.0"]))  # type: ignore[arg-type]
     expected = torch.cat([conv[[2, 1]].float().reshape(-1), ssm[[2, 1]].reshape(-1)])
     assert torch.equal(values, expected)
@@ -604,9 +614,9 @@ def test_the_vectorised_distance_is_the_pure_one() -> None:
     a = array("f", torch.randn(1000, generator=generator).tolist())
     b = array("f", (torch.tensor(a) + 1e-3 * torch.randn(1000, generator=generator)).tolist())
     b[5] = a[5] = float("nan")
-    assert online_audit.tensor_distance(a, b) == pytest.approx(relative_distance(a, b), rel=1e-9)
-    assert online_audit.tensor_distance(array("f", [2.0] * 10), array("f", [0.0] * 10)) == 1.0
-    assert math.isnan(online_audit.tensor_distance(a, array("f", [0.0] * 1000)))  # NaN against a number
+    assert tensor_distance(a, b) == pytest.approx(relative_distance(a, b), rel=1e-9)
+    assert tensor_distance(array("f", [2.0] * 10), array("f", [0.0] * 10)) == 1.0
+    assert math.isnan(tensor_distance(a, array("f", [0.0] * 1000)))  # NaN against a number
 
 
 # --- fp8 caches, stored as uint8 as vLLM allocates them, on real worker objects --------------------

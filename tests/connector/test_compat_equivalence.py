@@ -1,5 +1,5 @@
 """``vllm-compat`` against vLLM's own ``MooncakeStoreWorker``; ``default`` against ``vllm-compat``;
-``kvpolicy.vllm.store`` against vLLM's send-thread arithmetic.
+``kvpolicy.vllm.store`` and ``kvpolicy.runtime.binding`` against vLLM's send-thread arithmetic.
 
 The upstream side is the real class. ``object.__new__(MooncakeStoreWorker)`` skips only its
 ``__init__`` (which mounts a Mooncake segment and needs torch.distributed); the attributes that
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from conftest import NoPublishedDemotions, alone, engine_config
+from conftest import NoPublishedDemotions, alone
 
 try:
     import vllm  # noqa: F401
@@ -61,7 +61,10 @@ from kvpolicy.keys import KeyContext, chunk_key, split_chunk_key
 from kvpolicy.loader import load_policy
 from kvpolicy.models import Policy, Schedule, Topology
 from kvpolicy.plan import Plan
+from kvpolicy.runtime import binding
+from kvpolicy.settings import KVPolicySettings
 from kvpolicy.vllm import store
+from kvpolicy.vllm.config import WorkerSetup
 from kvpolicy.vllm.layout import layout_from_kv_cache_config
 from kvpolicy.vllm.worker import KVPolicyStoreWorker
 
@@ -306,6 +309,7 @@ def set_upstream_state(worker: MooncakeStoreWorker, case: Case, rank: Rank) -> N
     """The attributes MooncakeStoreWorker.__init__ sets before its override points run."""
     tp_rank, pcp_rank, pp_rank = rank
     worker.store = NoPublishedDemotions()
+    worker.dp_rank = 0
     worker.tp_rank, worker.tp_size = tp_rank, case.tp
     worker.pcp_rank, worker.pcp_size = pcp_rank, case.pcp
     worker.dcp_size = case.dcp
@@ -373,8 +377,7 @@ def policy_worker(
     """A real KVPolicyStoreWorker for one rank, built like upstream() plus its own pre-init state."""
     worker = object.__new__(KVPolicyStoreWorker)
     set_upstream_state(worker, case, rank)
-    config = engine_config(case.tp, extra_config=(("cache_prefix", cache_prefix),) if cache_prefix else ())
-    worker._init_policy_state(policy, config, model=MODEL, is_first_rank=False, gather=alone)
+    worker._setup = WorkerSetup(policy, KVPolicySettings(), model=MODEL, cache_prefix=cache_prefix, gather=alone)
     # Upstream's own selection, through the override, as MooncakeStoreWorker.__init__ calls it.
     _, store_namespace, _ = worker._select_store_layout(extra_config or {})
     run_override_points(worker, metadata_for(case, rank, KeyContext.for_model(MODEL, cache_prefix, store_namespace)))
@@ -447,7 +450,7 @@ def pcp_with_dcp(param: Any) -> bool:
 @pytest.mark.parametrize("case", [param for param in CASES if not pcp_with_dcp(param)])
 def test_compat_lookup_prefixes_equal_upstream(case: Case, context: KeyContext) -> None:
     theirs = upstream(case, context=context)._lookup_key_prefixes
-    assert store.lookup_key_prefixes(plan_for(COMPAT, case, context)) == theirs
+    assert binding.lookup_key_prefixes(plan_for(COMPAT, case, context)) == theirs
 
 
 # Head counts 1 and 2 already give every factor the worker can see; the full grid is covered above.
@@ -485,7 +488,7 @@ def test_under_pcp_with_dcp_upstreams_lookup_misses_its_own_keys_and_compats_fin
     # looks up the namespaces it writes.
     written = {split_chunk_key(key)[0] for key in upstream_keys(case)}
     theirs = {prefix for group in upstream(case)._lookup_key_prefixes for prefix in group}
-    ours = {prefix for group in store.lookup_key_prefixes(plan_for(COMPAT, case)) for prefix in group}
+    ours = {prefix for group in binding.lookup_key_prefixes(plan_for(COMPAT, case)) for prefix in group}
     assert theirs - written and ours == written
 
 
@@ -539,9 +542,9 @@ def test_default_keys_differ_from_compat_only_by_the_plan_fingerprint(case: Case
 @pytest.mark.parametrize("case", HINT_FREE_CASES)
 def test_default_lookup_prefixes_differ_from_compat_only_by_the_plan_fingerprint(case: Case) -> None:
     default = plan_for(DEFAULT, case)
-    assert store.lookup_key_prefixes(default) == tuple(
+    assert binding.lookup_key_prefixes(default) == tuple(
         tuple(prefix.replace("@tp_rank:", f"@plan:{default.fingerprint}@tp_rank:") for prefix in group)
-        for group in store.lookup_key_prefixes(plan_for(COMPAT, case))
+        for group in binding.lookup_key_prefixes(plan_for(COMPAT, case))
     )
 
 
@@ -595,9 +598,9 @@ def scheduled(policy: Policy, schedule: Schedule) -> Policy:
 
 def send_thread_chunks(plan: Plan, case: Case, tp_rank: int, group: int, mask_num: int) -> set[int]:
     """The chunk indices KVCacheStoreSendingThread._handle_request stores for (rank, group), with its
-    ``tp_rank`` attribute as the worker sets it (``store.send_thread_rank``)."""
-    steps = store.group_put_steps(plan)
-    if not store.group_participates(plan, tp_rank, [True] * len(plan.groups))[group]:
+    ``tp_rank`` attribute as the worker sets it (``binding.send_thread_rank``)."""
+    steps = binding.group_put_steps(plan)
+    if not binding.group_participates(plan, tp_rank, [True] * len(plan.groups))[group]:
         return set()
     database = plan_databases(plan, case, (tp_rank, 0, 0))[group]
     step = steps[group]
@@ -605,7 +608,7 @@ def send_thread_chunks(plan: Plan, case: Case, tp_rank: int, group: int, mask_nu
         start // database.block_size
         for start, _, _ in database.process_tokens(
             NUM_CHUNKS * BLOCK, HASHES, mask_num, put_step=step,
-            put_step_rank=(store.send_thread_rank(plan, tp_rank) + group) % step
+            put_step_rank=(binding.send_thread_rank(plan, tp_rank) + group) % step
         )
     }
 
@@ -637,19 +640,19 @@ def test_every_chunk_has_one_writer_per_replica_set_under_dcp() -> None:
 def test_the_send_thread_rank_is_the_tp_rank_without_dcp_and_its_dcp_stripe_with_it() -> None:
     plain = plan_for(DEFAULT, Case((mla(),), tp=4, heads=1))
     strided = plan_for(DEFAULT, Case((mla(),), tp=8, heads=1, dcp=2))
-    assert [store.send_thread_rank(plain, rank) for rank in range(4)] == [0, 1, 2, 3]
-    assert [store.send_thread_rank(strided, rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [binding.send_thread_rank(plain, rank) for rank in range(4)] == [0, 1, 2, 3]
+    assert [binding.send_thread_rank(strided, rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda schedule: schedule.value)
 def test_put_steps_are_the_factors_under_striped_and_one_otherwise(schedule: Schedule) -> None:
     plan = plan_for(scheduled(DEFAULT, schedule), Case((mla(), full(), mamba()), tp=4, heads=2))
-    assert store.group_put_steps(plan) == ((4, 2, 1) if schedule is Schedule.STRIPED else (1, 1, 1))
+    assert binding.group_put_steps(plan) == ((4, 2, 1) if schedule is Schedule.STRIPED else (1, 1, 1))
 
 
 def test_only_replica_set_leaders_participate_under_leader() -> None:
     plan = plan_for(scheduled(DEFAULT, Schedule.LEADER), Case((mla(), full(), mamba()), tp=4, heads=2))
-    assert [store.group_participates(plan, rank, [True] * 3) for rank in range(4)] == [
+    assert [binding.group_participates(plan, rank, [True] * 3) for rank in range(4)] == [
         [True, True, True],
         [False, False, True],
         [False, True, True],
@@ -659,7 +662,7 @@ def test_only_replica_set_leaders_participate_under_leader() -> None:
 
 def test_a_group_vllm_would_not_save_never_participates() -> None:
     plan = plan_for(scheduled(DEFAULT, Schedule.ALL), Case((mla(), full(), mamba()), tp=2, heads=2))
-    assert store.group_participates(plan, 0, [True, False, True]) == [True, False, True]
+    assert binding.group_participates(plan, 0, [True, False, True]) == [True, False, True]
 
 
 def test_plan_store_layout_keys_are_chunk_keys_in_the_plan_namespace() -> None:
@@ -721,5 +724,5 @@ def test_block_sizes_must_cover_every_plan_group() -> None:
 
 def test_lookup_key_prefixes_are_per_group_in_plan_order() -> None:
     plan = plan_for(COMPAT, Case((mla(), full(), mamba()), tp=4, heads=2))
-    assert [len(prefixes) for prefixes in store.lookup_key_prefixes(plan)] == [1, 2, 4]
+    assert [len(prefixes) for prefixes in binding.lookup_key_prefixes(plan)] == [1, 2, 4]
 

@@ -34,7 +34,8 @@ from kvpolicy.diagnostics import DocumentError, PlanError
 from kvpolicy.engine import make_plan
 from kvpolicy.loader import load_policy, policies_dir
 from kvpolicy.models import Group, Layout, Spec, Topology
-from kvpolicy.vllm.connector import KVPolicyConfigError, KVPolicyConnector, resolve_policy
+from kvpolicy.vllm.config import KVPolicyConfigError
+from kvpolicy.vllm.connector import KVPolicyConnector, resolve_policy
 
 INVALID_POLICY = """\
 version: 1
@@ -245,7 +246,10 @@ def test_the_connector_stops_on_a_bad_read_failure_ttl_naming_the_key(role: KVCo
     config = vllm_config("default")
     assert config.kv_transfer_config is not None
     config.kv_transfer_config.kv_connector_extra_config["kvpolicy_read_failure_ttl_s"] = ttl
-    message = f"kv_connector_extra_config.kvpolicy_read_failure_ttl_s: error: must be a number of seconds >= 0 (0 turns it off), got {ttl!r}"
+    message = (
+        "kv_connector_extra_config.kvpolicy_read_failure_ttl_s: error: must be a number of seconds >= 0 (0 turns it off), "
+        f"got {ttl!r}"
+    )
     with pytest.raises(KVPolicyConfigError) as raised:
         KVPolicyConnector(config, role, EMPTY_KV_CACHE_CONFIG)
     assert str(raised.value) == message
@@ -256,7 +260,8 @@ def test_the_connector_stops_on_an_unknown_kvpolicy_key_with_a_suggestion(role: 
     config = vllm_config("default")
     assert config.kv_transfer_config is not None
     config.kv_transfer_config.kv_connector_extra_config["kvpolicy_plan_jsn"] = "plan.json"
-    with pytest.raises(KVPolicyConfigError, match=r"^kv_connector_extra_config.kvpolicy_plan_jsn: error: unknown key; did you mean 'kvpolicy_plan_json'\?$"):
+    unknown = r"^kv_connector_extra_config.kvpolicy_plan_jsn: error: unknown key; did you mean 'kvpolicy_plan_json'\?$"
+    with pytest.raises(KVPolicyConfigError, match=unknown):
         KVPolicyConnector(config, role, EMPTY_KV_CACHE_CONFIG)
 
 

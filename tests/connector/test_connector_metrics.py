@@ -27,8 +27,6 @@ from kvpolicy.sim.instance import Instance  # noqa: E402
 from kvpolicy.vllm.connector import KVPolicyConnector  # noqa: E402
 from kvpolicy.vllm.metrics import METRICS, KVPolicyConnectorStats  # noqa: E402
 
-pytestmark = pytest.mark.integration
-
 NUM_TOKENS = 4 * BLOCK_SIZE + 1
 
 

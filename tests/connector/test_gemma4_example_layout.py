@@ -32,9 +32,9 @@ from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, res
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec  # noqa: E402
 
 try:  # vLLM 0.33
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups  # noqa: E402
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
 except ImportError:  # vLLM 0.32
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # noqa: E402
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
 
 from kvpolicy.loader import load_layout  # noqa: E402
 from kvpolicy.models import Layout, thawed  # noqa: E402

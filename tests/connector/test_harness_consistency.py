@@ -22,8 +22,6 @@ from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import ARCHETYPES, BLOCK_SIZE, ConsistencyReport, run_consistency  # noqa: E402
 
-pytestmark = pytest.mark.integration
-
 TP_SIZES = (2, 4)
 NUM_TOKENS = 256
 # The lookup keeps the last token for sampling: the longest block-aligned prefix below the prompt.

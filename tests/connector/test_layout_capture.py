@@ -15,8 +15,8 @@ from conftest import NoPublishedDemotions, alone, engine_config, require
 require("vllm")
 require("mooncake.store")
 
-import torch
-from vllm.v1.kv_cache_interface import (
+import torch  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -28,17 +28,17 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvpolicy.app.cli import main as cli_main
-from kvpolicy.diagnostics import PlanError
-from kvpolicy.dumper import dump_layout
-from kvpolicy.engine import make_plan
-from kvpolicy.keys import model_basename
-from kvpolicy.loader import check_file, load_policy, schemas_dir, shipped_policy_names
-from kvpolicy.models import Layout, Topology, thawed
-from kvpolicy.plan import Plan
-from kvpolicy.vllm.layout import layout_from_kv_cache_config
-from kvpolicy.vllm.standalone import Ranks
-from kvpolicy.vllm.worker import LAYOUT_OUT_KEY, KVPolicyStoreWorker
+from kvpolicy.app.cli import main as cli_main  # noqa: E402
+from kvpolicy.diagnostics import PlanError  # noqa: E402
+from kvpolicy.dumper import dump_layout  # noqa: E402
+from kvpolicy.engine import make_plan  # noqa: E402
+from kvpolicy.keys import model_basename  # noqa: E402
+from kvpolicy.loader import check_file, load_policy, schemas_dir, shipped_policy_names  # noqa: E402
+from kvpolicy.models import Layout, Topology, thawed  # noqa: E402
+from kvpolicy.plan import Plan  # noqa: E402
+from kvpolicy.runtime.binding import RankPlace  # noqa: E402
+from kvpolicy.vllm.layout import layout_from_kv_cache_config  # noqa: E402
+from kvpolicy.vllm.worker import KVPolicyStoreWorker  # noqa: E402
 
 BLOCK = 16
 MODEL = "org/Tiny-Model"
@@ -240,12 +240,12 @@ def planned_worker(name: str, *, tp_size: int = 2, layout_out: Path | None = Non
     """Rank 0's KVPolicyStoreWorker through its standalone construction (upstream's ``__init__`` would
     mount a Mooncake segment). ``vllm-compat`` audits nothing, so planning reads no store."""
     config, heads = MODELS[name]
-    extra = ((LAYOUT_OUT_KEY, str(layout_out)),) if layout_out else ()
+    extra = (("kvpolicy_layout_out", str(layout_out)),) if layout_out else ()
     return KVPolicyStoreWorker.standalone(
         engine_config(tp_size, extra_config=extra),
         config,
         policy=POLICIES["vllm-compat"],
-        ranks=Ranks(tp_rank=0, tp_size=tp_size),
+        place=RankPlace(tp_rank=0, tp_size=tp_size),
         store=NoPublishedDemotions(),
         model=MODEL,
         total_num_kv_heads=heads,
@@ -307,5 +307,5 @@ def test_a_layout_path_that_cannot_be_written_is_one_line_naming_the_key_and_the
         logger.removeHandler(handler)
     assert worker.plan is not None
     assert messages == [
-        f"kvpolicy: cannot write the layout to {path} ({LAYOUT_OUT_KEY}): No such file or directory; serving on without it"
+        f"kvpolicy: cannot write the layout to {path} (kvpolicy_layout_out): No such file or directory; serving on without it"
     ]

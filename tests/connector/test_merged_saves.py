@@ -20,8 +20,6 @@ from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import HYBRIDS, Fleet, Instance  # noqa: E402
 from kvpolicy.vllm.send import MergedSaveSendingThread  # noqa: E402
 
-pytestmark = pytest.mark.integration
-
 NUM_TOKENS = 128
 DATA_CALLS = ("batch_is_exist", "batch_put_from_multi_buffers")
 CASES = [pytest.param(archetype, tp, id=f"{archetype}-tp{tp}") for archetype in HYBRIDS for tp in (2, 4)]
@@ -125,7 +123,6 @@ def test_boundary_states_missing_while_every_chunk_is_stored_are_put_before_the_
         assert lookup.hit_length > 0
         warm.load(lookup)
         assert warm.verdict(lookup).correct
-
 
 
 def test_vllms_save_telemetry_counts_the_boundary_keys_that_rode_on_the_chunk_calls(

@@ -26,8 +26,6 @@ from kvpolicy.sim import ARCHETYPES, Fleet, Instance  # noqa: E402
 from kvpolicy.sim.scheduler import Prompt, block_hashes  # noqa: E402
 from kvpolicy.vllm.lookup import search_reads  # noqa: E402
 
-pytestmark = pytest.mark.integration
-
 NUM_TOKENS = 256
 ROUNDS = 4
 CASES = [

@@ -19,16 +19,14 @@ require("mooncake.store")
 
 import torch  # noqa: E402
 
+from kvpolicy.device.striped import StripedReadStore  # noqa: E402
 from kvpolicy.loader import load_policy  # noqa: E402
 from kvpolicy.models import LoadMode  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
+from kvpolicy.runtime.read_failures import RecordingReadStore  # noqa: E402
 from kvpolicy.sim import Fleet  # noqa: E402
 from kvpolicy.sim import rank as sim_rank  # noqa: E402
-from kvpolicy.vllm.read_failures import RecordingReadStore  # noqa: E402
-from kvpolicy.vllm.striped import StripedReadStore  # noqa: E402
-
-pytestmark = pytest.mark.integration
 
 NUM_TOKENS = 128
 

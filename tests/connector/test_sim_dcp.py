@@ -22,8 +22,6 @@ from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import ConsistencyReport, run_consistency  # noqa: E402
 
-pytestmark = pytest.mark.integration
-
 WRONG = Path(__file__).resolve().parents[2] / "examples" / "policies" / "wrong-attention-replicated.yaml"
 NUM_TOKENS = 256
 def hit(dcp: int) -> int:

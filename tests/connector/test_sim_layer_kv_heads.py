@@ -26,8 +26,6 @@ from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import BLOCK_SIZE, ConsistencyReport, Fleet, LoadVerdict, get_archetype, run_consistency  # noqa: E402
 from kvpolicy.sim.instance import Instance  # noqa: E402
 
-pytestmark = pytest.mark.integration
-
 NUM_TOKENS = 128
 # The lookup keeps the last token for sampling: the longest block-aligned prefix below the prompt.
 EXPECTED_HIT = (NUM_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE

@@ -21,8 +21,6 @@ from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import BLOCK_SIZE, HYBRIDS, ConsistencyReport, Fleet, run_consistency  # noqa: E402
 from kvpolicy.vllm.worker import KVPolicyStoreWorker  # noqa: E402
 
-pytestmark = pytest.mark.integration
-
 REPO = Path(__file__).resolve().parents[2]
 WRONG_STATE = REPO / "examples" / "policies" / "wrong-recurrent-replicated.yaml"
 NUM_TOKENS = 128
@@ -65,7 +63,7 @@ def test_the_consistency_run_and_the_audit_command_build_ranks_through_the_stand
     original = KVPolicyStoreWorker.standalone.__func__  # type: ignore[attr-defined]
 
     def counted(cls: type[KVPolicyStoreWorker], *args: Any, **kwargs: Any) -> KVPolicyStoreWorker:
-        built.append(kwargs["ranks"].tp_rank)
+        built.append(kwargs["place"].tp_rank)
         return original(cls, *args, **kwargs)
 
     monkeypatch.setattr(KVPolicyStoreWorker, "standalone", classmethod(counted))

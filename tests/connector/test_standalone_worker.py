@@ -1,6 +1,6 @@
 """The standalone construction path: its ranks and the thread collective the simulation gives it.
 
-:func:`kvpolicy.vllm.standalone.init_standalone` rebuilds upstream's ``__init__`` without the
+:func:`kvpolicy.vllm.internals.init_standalone` rebuilds upstream's ``__init__`` without the
 distributed runtime; the simulation, ``kvpolicy audit`` and the benchmarks build every rank with it.
 That it repeats every ``self.x =`` and ``self.f()`` of upstream's ``__init__`` is checked with the rest
 of vLLM's internals, in ``tests/connector/test_vllm_internals.py``.
@@ -14,20 +14,20 @@ from conftest import require
 require("vllm")
 require("mooncake.store")
 
+from kvpolicy.runtime.binding import RankPlace  # noqa: E402
 from kvpolicy.sim import ThreadGather  # noqa: E402
 from kvpolicy.sim.collective import CollectiveTimeout  # noqa: E402
-from kvpolicy.vllm.standalone import Ranks  # noqa: E402
 
 
 @pytest.mark.parametrize("fields", [{"tp_rank": 2, "tp_size": 2}, {"tp_rank": 0, "tp_size": 0}, {"tp_rank": 0, "tp_size": 1, "pp_rank": 1}])
 def test_ranks_outside_their_group_are_refused(fields: dict[str, int]) -> None:
     with pytest.raises(ValueError, match="outside a group"):
-        Ranks(**fields)
+        RankPlace(**fields)
 
 
 def test_only_the_all_zero_rank_is_first() -> None:
-    assert [Ranks(tp_rank=r, tp_size=2).is_first for r in range(2)] == [True, False]
-    assert not Ranks(tp_rank=0, tp_size=1, pp_rank=1, pp_size=2).is_first
+    assert [RankPlace(tp_rank=r, tp_size=2).is_first for r in range(2)] == [True, False]
+    assert not RankPlace(tp_rank=0, tp_size=1, pp_rank=1, pp_size=2).is_first
 
 
 def test_the_thread_collective_gives_every_rank_every_payload() -> None:

@@ -2,7 +2,7 @@
 worker, and a TP 4 prefill and a TP 2 decode instance share one store with every byte right.
 
 Upstream's side is vLLM's ``MooncakeStoreWorker`` built by the same standalone path as kvpolicy's
-(:func:`kvpolicy.vllm.standalone.init_standalone`), over vLLM's own ``KVCacheConfig`` for the model
+(:func:`kvpolicy.vllm.internals.init_standalone`), over vLLM's own ``KVCacheConfig`` for the model
 (:func:`kvpolicy.sim.build_model`): its ``_select_store_layout``, token databases and lookup prefixes
 run unchanged.
 """
@@ -21,9 +21,10 @@ from vllm.v1.core.kv_cache_utils import BlockHash  # noqa: E402
 
 from kvpolicy.loader import load_policy  # noqa: E402
 from kvpolicy.models import Topology  # noqa: E402
+from kvpolicy.runtime.binding import RankPlace  # noqa: E402
 from kvpolicy.sim.model import SimulatedModel, build_model  # noqa: E402
 from kvpolicy.store_layout import select_store_layout  # noqa: E402
-from kvpolicy.vllm.standalone import Ranks, init_standalone  # noqa: E402
+from kvpolicy.vllm.internals import init_standalone  # noqa: E402
 from kvpolicy.vllm.worker import KVPolicyStoreWorker  # noqa: E402
 
 HASHES = [BlockHash(bytes([value]) * 32) for value in (1, 2)]
@@ -56,15 +57,15 @@ def model_for(archetype: str, tp: int, extra: dict[str, Any], kv_layout: str, pp
     )
 
 
-def ranks(model: SimulatedModel, tp_rank: int, pp_rank: int) -> Ranks:
+def place(model: SimulatedModel, tp_rank: int, pp_rank: int) -> RankPlace:
     pp_size = model.vllm_config.parallel_config.pipeline_parallel_size
-    return Ranks(tp_rank=tp_rank, tp_size=model.tp_size, pp_rank=pp_rank, pp_size=pp_size)
+    return RankPlace(tp_rank=tp_rank, tp_size=model.tp_size, pp_rank=pp_rank, pp_size=pp_size)
 
 
 def upstream_worker(model: SimulatedModel, tp_rank: int, pp_rank: int = 0) -> MooncakeStoreWorker:
     worker = MooncakeStoreWorker.__new__(MooncakeStoreWorker)
     init_standalone(
-        worker, model.vllm_config, model.kv_cache_config, ranks=ranks(model, tp_rank, pp_rank),
+        worker, model.vllm_config, model.kv_cache_config, place=place(model, tp_rank, pp_rank),
         store=NoPublishedDemotions(), model=model.name, total_num_kv_heads=model.total_num_kv_heads,
     )
     return worker
@@ -73,7 +74,7 @@ def upstream_worker(model: SimulatedModel, tp_rank: int, pp_rank: int = 0) -> Mo
 def policy_worker(model: SimulatedModel, tp_rank: int, policy: str = "vllm-compat", pp_rank: int = 0) -> KVPolicyStoreWorker:
     return KVPolicyStoreWorker.standalone(
         model.vllm_config, model.kv_cache_config, policy=load_policy(policy),
-        ranks=ranks(model, tp_rank, pp_rank), store=NoPublishedDemotions(), model=model.name,
+        place=place(model, tp_rank, pp_rank), store=NoPublishedDemotions(), model=model.name,
         total_num_kv_heads=model.total_num_kv_heads, gather=lambda payload: [payload] * model.tp_size,
     )
 
@@ -143,7 +144,7 @@ def test_the_equivalence_check_sees_a_store_shard_keyed_wrongly() -> None:
     model = model_for("gqa-8kv", 2, {"store_tp_size": 4}, "LBHNC")
     ours, upstream = policy_worker(model, 1), upstream_worker(model, 1)
     layout = ours.token_dbs[0].store_layout
-    layout._plan_prefixes = dict(zip((2, 3), [layout._plan_prefixes[2].replace("tp_rank:2", "tp_rank:0")] * 2))
+    layout._plan_prefixes = dict.fromkeys((2, 3), layout._plan_prefixes[2].replace("tp_rank:2", "tp_rank:0"))
     assert store_view(ours) != store_view(upstream)
 
 

@@ -28,19 +28,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 require("vllm")
 require("mooncake.store")
 
+from kvpolicy.device.striped import StripedReadStore, allocate_staging  # noqa: E402
 from kvpolicy.loader import load_policy  # noqa: E402
 from kvpolicy.models import LoadMode, Policy  # noqa: E402
 from kvpolicy.mooncake import MasterCounters  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
-from kvpolicy.runtime.collective import PeerExchange, ThreadExchange, Transfer  # noqa: E402
+from kvpolicy.runtime.collective import ThreadExchange  # noqa: E402
+from kvpolicy.runtime.ports import PeerExchange, Transfer  # noqa: E402
+from kvpolicy.runtime.read_failures import RecordingReadStore  # noqa: E402
 from kvpolicy.runtime.striping import StripeCounts  # noqa: E402
 from kvpolicy.sim import ARCHETYPES, Fleet, Instance  # noqa: E402
-from kvpolicy.vllm.read_failures import RecordingReadStore  # noqa: E402
-from kvpolicy.device.striped import allocate_staging  # noqa: E402
-from kvpolicy.vllm.striped import PIECE_MIB_KEY, StripedReadStore  # noqa: E402
-
-pytestmark = pytest.mark.integration
 
 NUM_TOKENS = 256
 CASES = [
@@ -209,7 +207,7 @@ def test_a_load_in_many_pieces_arrives_byte_for_byte_and_no_piece_stages_more_th
     budget = 16 * 1024  # 2 to 4 objects of these archetypes
     with Fleet(archetype, master=mooncake_master, clients=clients, num_tokens=NUM_TOKENS) as fleet:
         fleet.instance(striped(), tp_size, name="cold").save()
-        warm = fleet.instance(striped(), tp_size, name="warm", extra_config={PIECE_MIB_KEY: budget / 2**20})
+        warm = fleet.instance(striped(), tp_size, name="warm", extra_config={"kvpolicy_striped_piece_mib": budget / 2**20})
         lookup = warm.lookup()
         warm.load(lookup)
         verdict = warm.verdict(lookup)
@@ -225,7 +223,7 @@ def test_a_failed_owner_fails_only_its_keys_when_the_load_goes_in_pieces(
 ) -> None:
     with Fleet("mla", master=mooncake_master, clients=clients, num_tokens=NUM_TOKENS) as fleet:
         fleet.instance(striped(), 2, name="cold").save()
-        warm = fleet.instance(striped(), 2, name="warm", extra_config={PIECE_MIB_KEY: 4096 / 2**20})
+        warm = fleet.instance(striped(), 2, name="warm", extra_config={"kvpolicy_striped_piece_mib": 4096 / 2**20})
         lookup = warm.lookup()
         loaded_keys = sorted(warm.key(0, 0, chunk) for chunk in range(lookup.hit_length // 16))
         assert fleet.client.remove(loaded_keys[9], True) == 0  # rank 1's, in a later piece
@@ -480,14 +478,14 @@ def run_loads(
                 for tensor in (t for rank_tensors in tensors for t in rank_tensors):
                     tensor.zero_()
 
-                def rank_main(rank: int) -> None:
+                def rank_main(rank: int, runs: list[RankRun | None]) -> None:
                     results = stores[rank].batch_get_into_multi_buffers(*spec.request(rank, tensors[rank]))
                     wrong = spec.wrong(rank, tensors[rank], results)
                     runs[rank] = RankRun(results, wrong, stores[rank].counts, collections.Counter(), recordings[rank],
                                          stores[rank].broken)
 
                 started = time.monotonic()
-                threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(tp)]
+                threads = [threading.Thread(target=rank_main, args=(rank, runs)) for rank in range(tp)]
                 for thread in threads:
                     thread.start()
                 for thread in threads:

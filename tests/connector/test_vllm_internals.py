@@ -9,10 +9,10 @@ import ast
 import inspect
 import json
 import os
-import textwrap
-import threading
 import subprocess
 import sys
+import textwrap
+import threading
 from pathlib import Path
 
 import pytest

@@ -52,8 +52,8 @@ def test_zero_heads_with_an_attention_group_is_a_located_validation_error() -> N
     )
     document, problems = check_text(text, "inline.yaml")
     assert document is None and [str(problem) for problem in problems] == [
-        "inline.yaml:6:3: error: groups: total_num_kv_heads is 0 (an attention-free model) but group 0 holds attention (FullAttentionSpec); "
-        "set the model's KV-head count [KVP104]"
+        "inline.yaml:6:3: error: groups: total_num_kv_heads is 0 (an attention-free model) but group 0 holds attention "
+        "(FullAttentionSpec); set the model's KV-head count [KVP104]"
     ]
 
 

@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpolicy.app.cli import main
+from kvpolicy.diagnostics import CHECKS_BY_CODE
 from kvpolicy.discovery import Observer, dump_report, group_layers, meet, partition_of, runs
 from kvpolicy.engine import PLANS, make_plan, rank_replica_sets, replica_partition
-from kvpolicy.diagnostics import CHECKS_BY_CODE
 from kvpolicy.loader import check_text, load_layout, load_policy, schemas_dir
 from kvpolicy.matcher import layers_matching
 from kvpolicy.models import Layout, Match, Rule, Topology

@@ -18,7 +18,20 @@ from pydantic import BaseModel
 from kvpolicy.engine import FINGERPRINTED, NOT_FINGERPRINTED, make_plan
 from kvpolicy.expressions import Expression
 from kvpolicy.keys import UPSTREAM_KEY_TEMPLATE, KeyContext
-from kvpolicy.models import Audit, FieldExpression, Group, KeyFormat, LayerHeads, LayerSpecs, Layout, Match, Policy, Rule, Spec, Topology
+from kvpolicy.models import (
+    Audit,
+    FieldExpression,
+    Group,
+    KeyFormat,
+    LayerHeads,
+    LayerSpecs,
+    Layout,
+    Match,
+    Policy,
+    Rule,
+    Spec,
+    Topology,
+)
 from kvpolicy.store_layout import StoreSharding
 
 PLAN_INPUTS = (Policy, Layout, Topology, KeyContext, StoreSharding)
@@ -201,7 +214,9 @@ PERTURBATIONS: dict[tuple[type, str], tuple[Change | None, Change] | None] = {
     (Policy, "strict"): (add_full_rule("1"), setting(policy_doc, strict=True)),
     (Policy, "schedule"): (None, setting(policy_doc, schedule="leader")),
     (Policy, "load"): (None, setting(policy_doc, load="striped")),
-    (Policy, "key"): (None, setting(policy_doc, key={"template": "{model}@v2" + UPSTREAM_KEY_TEMPLATE.removeprefix("{cache_prefix}{model}")})),
+    (Policy, "key"): (
+        None, setting(policy_doc, key={"template": "{model}@v2" + UPSTREAM_KEY_TEMPLATE.removeprefix("{cache_prefix}{model}")})
+    ),
     (Policy, "audit"): (None, setting(policy_doc, audit={"mode": "off"})),
     (Policy, "spec_fields"): (None, setting(policy_doc, spec_fields=["plugin_field"])),
     (Rule, "name"): (None, setting(rule, name="renamed")),
@@ -214,7 +229,12 @@ PERTURBATIONS: dict[tuple[type, str], tuple[Change | None, Change] | None] = {
     (Match, "spec"): (None, lambda documents_: rule(documents_)["match"].update(spec="MambaSpec")),
     (Match, "fields"): (None, lambda documents_: rule(documents_)["match"].update(fields={"num_kv_heads": 5})),
     (Match, "layers"): (None, lambda documents_: rule(documents_)["match"].update(layers="nothing.*")),
-    (KeyFormat, "template"): (None, lambda documents_: policy_doc(documents_)["key"].update(template="{model}@x" + UPSTREAM_KEY_TEMPLATE.removeprefix("{cache_prefix}{model}"))),
+    (KeyFormat, "template"): (
+        None,
+        lambda documents_: policy_doc(documents_)["key"].update(
+            template="{model}@x" + UPSTREAM_KEY_TEMPLATE.removeprefix("{cache_prefix}{model}")
+        ),
+    ),
     (Audit, "mode"): (None, lambda documents_: policy_doc(documents_)["audit"].update(mode="enforce")),
     (Audit, "steps"): (None, lambda documents_: policy_doc(documents_)["audit"].update(steps=0)),
     (Expression, "source"): (None, setting(rule, factor="tp_size // 2")),

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import golden_keys  # noqa: E402
+import golden_keys
 
-from kvpolicy.keys import KEY_VERSION  # noqa: E402
+from kvpolicy.keys import KEY_VERSION
 
 RECORDED = json.loads(golden_keys.golden_path().read_text(encoding="utf-8")) if golden_keys.golden_path().is_file() else None
 BUMP = (

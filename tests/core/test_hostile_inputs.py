@@ -245,7 +245,8 @@ def test_a_policy_name_or_path_holding_a_nul_is_one_located_error(name: str) -> 
 
 
 def test_the_connector_refuses_a_policy_path_holding_a_nul_with_its_configuration_error() -> None:
-    from kvpolicy.vllm.connector import KVPolicyConfigError, resolve_policy
+    from kvpolicy.vllm.config import KVPolicyConfigError
+    from kvpolicy.vllm.connector import resolve_policy
 
     with pytest.raises(KVPolicyConfigError, match="the path contains a NUL character"):
         resolve_policy({"kvpolicy": "/tmp/policy\x00.yaml"})

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from test_engine_properties import layouts as engine_layouts
 
 from kvpolicy.dumper import compress_layer_names, dump_layout
-from kvpolicy.loader import check_file, check_text, load_layout
 from kvpolicy.expressions import MAX_INT
+from kvpolicy.loader import check_file, check_text, load_layout
 from kvpolicy.models import RESERVED_FIELD_NAMES, Layout, Topology, expand_layer_pattern
 
 REPO = Path(__file__).resolve().parents[2]

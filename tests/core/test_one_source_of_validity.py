@@ -130,11 +130,18 @@ def test_an_integer_beyond_63_bits_is_refused_by_the_models_as_by_the_reader(val
     assert [problem.code for problem in check_text(changed, "doc.yaml")[1]] == ["KVP003"]
 
 
+def nested_lists(depth: int) -> list[object]:
+    """``[[...[1]...]]``: ``depth`` lists, one inside the next."""
+    value: list[object] = [1]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 @pytest.mark.parametrize(
     ("source", "message"),
     [({"a": {2**70: 1}}, "mapping keys must be strings"), ({"a": [{1: 2}]}, "mapping keys must be strings"),
-     ({"a": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]},
-      "nested deeper than 64 levels")],
+     ({"a": nested_lists(66)}, "nested deeper than 64 levels")],
 )
 def test_free_form_values_the_reader_could_not_give_back_are_refused_by_the_models(source: dict, message: str) -> None:
     data = {"version": 1, "kind": "ModelLayout", "model": "m", "total_num_kv_heads": 1, "source": source,

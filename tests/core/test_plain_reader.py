@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from yaml.constructor import SafeConstructor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
-import fuzz_strategies as fs  # noqa: E402
+import fuzz_strategies as fs
 
-from kvpolicy import loader  # noqa: E402
-from kvpolicy.models import Policy  # noqa: E402
-from kvpolicy.yamlsource import MAX_NODES, SourceMap, parse  # noqa: E402
+from kvpolicy import loader
+from kvpolicy.models import Policy
+from kvpolicy.yamlsource import MAX_NODES, SourceMap, parse
 
 PROPERTY = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

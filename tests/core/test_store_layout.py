@@ -249,7 +249,9 @@ def test_pipeline_stages_with_different_layer_counts_share_one_fingerprint() -> 
     fingerprints: rank 0 looks every stage up under its own."""
     stages = [
         layout(full(num_kv_heads=1), heads=8).model_copy(
-            update={"groups": (layout(full(num_kv_heads=1), heads=8).groups[0].model_copy(update={"layers": tuple(f"l{i}" for i in range(count))}),)}
+            update={"groups": (
+                layout(full(num_kv_heads=1), heads=8).groups[0].model_copy(update={"layers": tuple(f"l{i}" for i in range(count))}),
+            )}
         )
         for count in (27, 26)
     ]

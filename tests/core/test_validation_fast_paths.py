@@ -20,10 +20,10 @@ from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
-import fuzz_strategies as fs  # noqa: E402
+import fuzz_strategies as fs
 
-from kvpolicy.expressions import MAX_INT, Expression, ExpressionError, shared_expression  # noqa: E402
-from kvpolicy.models import MAX_VALUE_DEPTH, FrozenMapping, Layout, Spec, expand_layer_pattern  # noqa: E402
+from kvpolicy.expressions import MAX_INT, Expression, ExpressionError, shared_expression
+from kvpolicy.models import MAX_VALUE_DEPTH, FrozenMapping, Layout, Spec, expand_layer_pattern
 
 PROPERTY = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -41,7 +41,7 @@ def reference_readable(value: Any, depth: int = 0) -> None:
         for key, item in value.items():
             if not isinstance(key, str):
                 message = f"mapping keys must be strings, got {type(key).__name__} {str(key)[:40]!r}"
-                raise ValueError(message)  # noqa: TRY004 - as the models raise it
+                raise ValueError(message)  # not TypeError: as the models raise it
             reference_readable(item, depth + 1)
     elif isinstance(value, (list, tuple)):
         for item in value:

@@ -58,7 +58,7 @@ def test_one_device_is_asked_of_kv_tensors_on_two_only_where_striping_needs_it()
     storages = KVStorages([torch.zeros(4, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8, device="meta")])
     assert sorted(map(str, storages.devices)) == ["cpu", "meta"]
     with pytest.raises(ValueError, match="several devices: "):
-        storages.device
+        _ = storages.device
 
 
 # --- reading for discovery ----------------------------------------------------------------------------

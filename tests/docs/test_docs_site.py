@@ -25,7 +25,7 @@ import pytest
 from pydantic import BaseModel
 from site_build import BuiltSite, built_site  # noqa: F401  (a fixture)
 
-from kvpolicy.app import reference
+from kvpolicy.app import reference, rule
 from kvpolicy.app.cli import build_parser, main
 from kvpolicy.diagnostics import CHECKS
 from kvpolicy.discovery import DiscoveryReport
@@ -343,7 +343,7 @@ def test_each_command_example_parses_and_runs_as_the_reference_says(name: str, e
     if example.exit_code is not None:
         run = reference.run_command_example(example.command)
         assert run.exit_code == example.exit_code, run.output
-        assert reference.shown_output(run.output) in command_section(reference.cli_markdown(), name)
+        assert rule.shown_output(run.output) in command_section(reference.cli_markdown(), name)
 
 
 def command_section(markdown: str, name: str) -> str:
@@ -373,7 +373,7 @@ def test_each_code_has_a_page_in_ruffs_shape_with_both_examples_run(check) -> No
     for title, example in (("Example", check.example), ("Use instead", check.fixed)):
         run = reference.run_example(example)
         shown = part(page, title)
-        assert f"$ {run.command}\n{reference.shown_output(run.output)}" in shown, title
+        assert f"$ {run.command}\n{rule.shown_output(run.output)}" in shown, title
         assert all(text.rstrip("\n") in shown for _, text in example.files), title
 
 
@@ -397,7 +397,7 @@ def test_every_code_has_an_explanation_and_a_reason_beyond_its_summary() -> None
 
 
 def test_rule_prints_what_the_codes_page_shows_and_its_url(capsys: pytest.CaptureFixture[str]) -> None:
-    check = reference.find_check("KVP203")
+    check = rule.find_check("KVP203")
     code = main(["rule", "KVP203"])
     out = capsys.readouterr().out
     assert code == 0 and out == reference.rule_text(check)
@@ -406,7 +406,7 @@ def test_rule_prints_what_the_codes_page_shows_and_its_url(capsys: pytest.Captur
         shown = re.search(r"```console\n\$ .*?\n(.*?)```", part(page, title), re.DOTALL).group(1)
         assert shown in out
     assert all(text in out for text in (check.summary, check.explanation, check.why, "What it does", "Why it matters"))
-    assert out.rstrip().endswith(f"Documentation: {reference.diagnostic_location(check)}")
+    assert out.rstrip().endswith(f"Documentation: {rule.diagnostic_location(check)}")
     assert "docs/reference/diagnostics/kvp203.md" in out or "reference/diagnostics/kvp203/" in out
 
 

@@ -18,10 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from conftest import require, unavailable
-
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "getting-started.md"

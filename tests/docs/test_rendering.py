@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 from site_build import BuiltSite, built_site  # noqa: F401  (a fixture)
 
-from kvpolicy.app import reference
+from kvpolicy.app import rule
 from kvpolicy.diagnostics import CHECKS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -350,10 +350,10 @@ def test_footer_navigation_is_on(built_site: BuiltSite) -> None:  # noqa: F811
 
 def test_every_diagnostic_page_kvpolicy_rule_names_is_in_the_checkout_and_built(built_site: BuiltSite) -> None:  # noqa: F811
     for check in CHECKS:
-        where = reference.diagnostic_location(check, environ={})
+        where = rule.diagnostic_location(check, environ={})
         source = where.split(" ", 1)[0]
-        assert source == f"docs/{reference.diagnostic_page(check)}" and (REPO / source).is_file(), where
-        page = built_site.path / reference.diagnostic_page(check).removesuffix(".md") / "index.html"
+        assert source == f"docs/{rule.diagnostic_page(check)}" and (REPO / source).is_file(), where
+        page = built_site.path / rule.diagnostic_page(check).removesuffix(".md") / "index.html"
         assert page.is_file(), page
         text = page.read_text(encoding="utf-8")
         assert "<h1 id=" in text and check.code in text and "Use instead" in text, check.code
@@ -361,8 +361,8 @@ def test_every_diagnostic_page_kvpolicy_rule_names_is_in_the_checkout_and_built(
 
 def test_with_a_published_site_kvpolicy_rule_names_its_page_there_as_mkdocs_writes_it(built_site: BuiltSite) -> None:  # noqa: F811
     config = yaml.safe_load((REPO / "mkdocs.yml").read_text(encoding="utf-8").replace("!ENV", ""))
-    assert config["site_url"] == reference.DOCS_URL_VARIABLE  # the site's address is the deployment's
+    assert config["site_url"] == rule.DOCS_URL_VARIABLE  # the site's address is the deployment's
     for check in CHECKS:
-        url = reference.diagnostic_location(check, environ={reference.DOCS_URL_VARIABLE: "https://docs.example.org/kv/"})
+        url = rule.diagnostic_location(check, environ={rule.DOCS_URL_VARIABLE: "https://docs.example.org/kv/"})
         assert url.startswith("https://docs.example.org/kv/reference/diagnostics/")
         assert (built_site.path / url.removeprefix("https://docs.example.org/kv/") / "index.html").is_file(), url

@@ -29,8 +29,6 @@ from pathlib import Path
 import pytest
 from conftest import require, unavailable
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
 if importlib.util.find_spec("vllm") is None:
     unavailable("vllm is not installed (in a kvpolicy checkout: pip install '.[vllm]' on GPUs, '.[cpu]' on CPUs)")
 require("mooncake.store")

@@ -25,8 +25,6 @@ from pathlib import Path
 import pytest
 from conftest import require, unavailable
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
 if importlib.util.find_spec("vllm") is None:
     unavailable("vllm is not installed (in a kvpolicy checkout: pip install '.[vllm]' on GPUs, '.[cpu]' on CPUs)")
 require("mooncake.store")
@@ -37,13 +35,14 @@ from kvpolicy.discovery import DiscoveryReport  # noqa: E402
 from kvpolicy.engine import make_plan  # noqa: E402
 from kvpolicy.harness.e2e import fixed_prompt, serve_once  # noqa: E402
 from kvpolicy.harness.tinymodel import ARCHITECTURES, make_tiny_model  # noqa: E402
+from kvpolicy.harness.zoo.observe import PLUGINS  # noqa: E402
 from kvpolicy.loader import load, load_policy  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.settings import KVPolicySettings  # noqa: E402
 
 TP_SIZE = 2
-# The Mamba2 CPU prefill workaround, as the zoo's tiny copies get it (a vLLM general plugin found on PYTHONPATH).
-from kvpolicy.harness.zoo.observe import PLUGINS  # noqa: E402
+# The Mamba2 CPU prefill workaround, as the zoo's tiny copies get it (PLUGINS: a vLLM general plugin found on
+# PYTHONPATH).
 NEEDS_MAMBA2_PLUGIN = frozenset({"nemotron-h"})
 PROMPT_TOKENS = 2 * 96 + 1
 """Two full blocks at the largest hybrid block size vLLM picks for these models (96), and one token."""

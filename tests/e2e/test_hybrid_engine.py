@@ -40,8 +40,6 @@ from pathlib import Path
 import pytest
 from conftest import require, unavailable
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
 if importlib.util.find_spec("vllm") is None:
     unavailable("vllm is not installed (in a kvpolicy checkout: pip install '.[vllm]' on GPUs, '.[cpu]' on CPUs)")
 require("mooncake.store")
@@ -54,17 +52,18 @@ from kvpolicy.harness.e2e import (  # noqa: E402
     serve_once,
 )
 from kvpolicy.harness.tinymodel import ARCHITECTURES, HYBRIDS, make_tiny_model  # noqa: E402
+from kvpolicy.harness.zoo.observe import PLUGINS  # noqa: E402
 from kvpolicy.loader import check_file  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.settings import KVPolicySettings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-# The Mamba2 CPU prefill workaround, as the zoo's tiny copies get it (a vLLM general plugin found on PYTHONPATH).
-from kvpolicy.harness.zoo.observe import PLUGINS  # noqa: E402
 PRE_FIX = REPO / "examples" / "policies" / "pre-fix-single-factor.yaml"
 WRONG_STATE = REPO / "examples" / "policies" / "wrong-recurrent-replicated.yaml"
 
 TP_SIZE = 2
+# The Mamba2 CPU prefill workaround, as the zoo's tiny copies get it (PLUGINS: a vLLM general plugin found on
+# PYTHONPATH).
 NEEDS_MAMBA2_PLUGIN = frozenset({"nemotron-h"})
 
 

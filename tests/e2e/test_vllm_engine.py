@@ -21,8 +21,6 @@ from typing import Any
 import pytest
 from conftest import require, unavailable
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
 if importlib.util.find_spec("vllm") is None:
     unavailable("vllm is not installed (in a kvpolicy checkout: pip install '.[vllm]' on GPUs, '.[cpu]' on CPUs)")
 require("mooncake.store")

@@ -228,7 +228,7 @@ def key_templates() -> st.SearchStrategy[str]:
 
 
 NAMESPACES = tuple(
-    dict(group=group, shard=shard, pcp_rank=pcp, dcp_rank=dcp, pp_rank=pp)
+    {"group": group, "shard": shard, "pcp_rank": pcp, "dcp_rank": dcp, "pp_rank": pp}
     for group in (0, 1, 10, 11)
     for shard in (0, 1, 10, 11)
     for pcp in (0, 1)

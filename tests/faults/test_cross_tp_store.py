@@ -23,8 +23,6 @@ from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import BLOCK_SIZE, Fleet, MixedReport, run_mixed  # noqa: E402
 
-pytestmark = pytest.mark.integration
-
 NUM_TOKENS = 128
 FULL_HIT = (NUM_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
 CHUNKS = NUM_TOKENS // BLOCK_SIZE

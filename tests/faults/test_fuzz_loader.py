@@ -3,7 +3,8 @@
 The inputs (mutated shipped policies and example layouts, YAML snippets such as alias bombs and
 explicit tags, generated policy- and layout-shaped documents, adversarial expressions and key
 templates, documents whose aliases multiply unknown keys, tagged documents and directives, file names
-with control characters, layouts whose expressions fail at some topology) come from ``fuzz_strategies.py``, which ``scripts/fuzz.py`` runs for much longer.
+with control characters, layouts whose expressions fail at some topology) come from ``fuzz_strategies.py``, which
+``scripts/fuzz.py`` runs for much longer.
 """
 
 from __future__ import annotations

@@ -26,8 +26,6 @@ from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import BLOCK_SIZE, MixedReport, run_mixed  # noqa: E402
 
-pytestmark = pytest.mark.integration
-
 REPO = Path(__file__).resolve().parents[2]
 NUM_TOKENS = 256
 FULL_HIT = (NUM_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE

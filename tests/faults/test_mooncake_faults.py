@@ -29,7 +29,6 @@ require("mooncake.store")
 
 from kvpolicy.loader import load_policy  # noqa: E402
 from kvpolicy.mooncake.client import MiB  # noqa: E402
-from kvpolicy.mooncake.master import MooncakeUnavailable  # noqa: E402
 from kvpolicy.mooncake.faults import (  # noqa: E402
     NO_AVAILABLE_HANDLE,
     FaultyStore,
@@ -37,11 +36,9 @@ from kvpolicy.mooncake.faults import (  # noqa: E402
     RestartableMaster,
     fill_store,
 )
+from kvpolicy.mooncake.master import MooncakeUnavailable  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import BLOCK_SIZE, Fleet, LoadVerdict, SaveOutcome, audited_policy  # noqa: E402
-from kvpolicy.vllm.read_failures import READ_FAILURE_TTL_KEY  # noqa: E402
-
-pytestmark = pytest.mark.integration
 
 SEGMENT_MIB = 16  # Mooncake's smallest segment: the "tiny" store the full-segment scenario fills
 NUM_TOKENS = 256
@@ -438,7 +435,6 @@ def test_an_object_removed_after_the_lookup_leaves_the_chunks_before_it_correct(
     assert verdict.blocks_checked > 0 and verdict.correct, (verdict.wrong, verdict.stray)
 
 
-
 # --- a read that failed --------------------------------------------------------------------------
 
 
@@ -470,7 +466,7 @@ def failed_read(master: RestartableMaster, clients: ClientPool, *, ttl_s: float)
         fleet.instance(DEFAULT, 2, name="saver").save()
         loader = fleet.instance(
             DEFAULT, 2, name="loader", wrap_store=on_rank(0, "batch_get_into_multi_buffers", fail_first_get()),
-            extra_config={READ_FAILURE_TTL_KEY: ttl_s},
+            extra_config={"kvpolicy_read_failure_ttl_s": ttl_s},
         )
         lookup = loader.lookup()
         (rank0,) = loader.load(lookup, ranks=[0])

@@ -20,8 +20,6 @@ from pathlib import Path
 import pytest
 from conftest import require, unavailable
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
 if importlib.util.find_spec("vllm") is None:
     unavailable("vllm is not installed (pip install 'kvpolicy[cpu]')")
 require("mooncake.store")

@@ -16,8 +16,6 @@ from conftest import unavailable
 
 from kvpolicy.harness.fleet.netns import NetnsUnavailable, Network, remove_stale, require_netns
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _netns_available() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 try:
-    import mooncake.store  # noqa: F401
+    import mooncake.store
 except ImportError as error:
     if os.environ.get("CI") == "true":
         raise
@@ -33,8 +33,6 @@ from kvpolicy.mooncake import (
     store_client,
 )
 from kvpolicy.mooncake.master import INSTALL_HINT, free_ports
-
-pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +291,6 @@ def test_config_file_is_read_back_by_mooncake(tmp_path: Path) -> None:
     assert (loaded.metadata_server, loaded.protocol) == ("P2PHANDSHAKE", "tcp")
 
 
-@pytest.mark.slow  # importing vLLM takes seconds
 def test_config_file_is_read_back_by_vllm(tmp_path: Path) -> None:
     from vllm.distributed.mooncake_store import MooncakeStoreConfig
 

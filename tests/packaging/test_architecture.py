@@ -1,10 +1,10 @@
 """The package layout as the README draws it: a pure core, thin adapters, the simulation and the
-application on top, and no module reaching into another's private names."""
+application on top, no import circles, and no module reaching into another's private names."""
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -41,9 +41,14 @@ def python_files(*roots: str) -> Iterator[Path]:
         yield from sorted((REPO / root).rglob("*.py"))
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
+def module_name(path: Path, root: Path = REPO) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def shown(path: Path) -> Path:
+    """``path`` as a finding names it: relative to the checkout, or whole where it lies elsewhere (a probe)."""
+    return path.relative_to(REPO) if path.is_relative_to(REPO) else path
 
 
 def imports(path: Path) -> Iterator[tuple[int, str, str | None]]:
@@ -65,7 +70,7 @@ def private_uses(path: Path) -> Iterator[str]:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvpolicy"):
             for alias in node.names:
                 if alias.name.startswith("_") and not alias.name.startswith("__"):
-                    yield f"{path.relative_to(REPO)}:{node.lineno}: from {node.module} import {alias.name}"
+                    yield f"{shown(path)}:{node.lineno}: from {node.module} import {alias.name}"
                 modules.add(alias.asname or alias.name)
         elif isinstance(node, ast.Import):
             for alias in node.names:
@@ -79,7 +84,7 @@ def private_uses(path: Path) -> Iterator[str]:
             and node.attr.startswith("_")
             and not node.attr.startswith("__")
         ):
-            yield f"{path.relative_to(REPO)}:{node.lineno}: {node.value.id}.{node.attr}"
+            yield f"{shown(path)}:{node.lineno}: {node.value.id}.{node.attr}"
 
 
 SUBJECTS: dict[str, set[str]] = {}
@@ -98,12 +103,12 @@ def test_no_module_imports_another_modules_private_names() -> None:
 
 
 def test_the_private_name_check_sees_a_private_import(tmp_path: Path) -> None:
-    probe = REPO / "tests" / "packaging" / "_probe_private_import.py"
+    probe = tmp_path / "probe_private_import.py"
     probe.write_text("from kvpolicy.engine import _decide_group\nfrom kvpolicy import keys\nkeys._x\n", encoding="utf-8")
-    try:
-        assert len(list(private_uses(probe))) == 2
-    finally:
-        probe.unlink()
+    assert [use.split(": ", 1)[1] for use in private_uses(probe)] == [
+        "from kvpolicy.engine import _decide_group",
+        "keys._x",
+    ]
 
 
 @pytest.mark.parametrize("module", CORE)
@@ -126,6 +131,107 @@ def test_a_layer_imports_nothing_above_it(package: str) -> None:
         if any(name == above or name.startswith(f"{above}.") for above in LAYERS[package])
     ]
     assert bad == []
+
+
+def import_graph(root: Path = REPO, package: str = "kvpolicy") -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports: every import in it, at the top, inside a function
+    (a lazy import that dodges a circle is still the circle) or under ``TYPE_CHECKING``. ``from p import
+    name`` is an edge to the submodule ``p.name`` where there is one, else to ``p`` (its ``__init__``)."""
+    modules = {module_name(path, root): path for path in sorted((root / package).rglob("*.py"))}
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {module: set() for module in modules}
+    for module, path in modules.items():
+        here = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package this module is in, up level - 1
+                    anchor = here
+                    for _ in range(node.level - 1):
+                        anchor = anchor.rpartition(".")[0]
+                    base = f"{anchor}.{base}" if base else anchor
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            for target in targets:
+                if target == package or target.startswith(f"{package}."):
+                    found = known(target)
+                    if found is not None and found != module:
+                        graph[module].add(found)
+    return graph
+
+
+def circles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, without recursion):
+    modules that import each other, directly or around a longer loop."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, successors = work[-1]
+            for successor in successors:
+                if successor not in index:
+                    index[successor] = low[successor] = len(index)
+                    stack.append(successor)
+                    on_stack.add(successor)
+                    work.append((successor, iter(sorted(graph[successor]))))
+                    break
+                if successor in on_stack:
+                    low[node] = min(low[node], index[successor])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+                if low[node] == index[node]:
+                    component: list[str] = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return sorted(found)
+
+
+def test_no_kvpolicy_modules_import_each_other_in_a_circle() -> None:
+    # Dependencies go one way: a piece two modules share lives in a third, below both.
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_check_sees_lazy_relative_and_type_checking_imports(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "a.py": "from pkg import b\n",
+        "b.py": "def f():\n    from pkg.sub.c import g  # lazy\n",
+        "sub/__init__.py": "",
+        "sub/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import x\n",
+        "d.py": "import pkg.a\nimport os\n",  # imports into the circle, is not part of it
+        "e.py": "from . import f\n",
+        "f.py": "from .e import y\n",
+    }
+    for name, text in files.items():
+        (package / name).write_text(text, encoding="utf-8")
+    assert circles(import_graph(tmp_path, "pkg")) == [["pkg.a", "pkg.b", "pkg.sub.c"], ["pkg.e", "pkg.f"]]
 
 
 def test_simulated_instances_stores_and_ranks_live_in_the_simulation_only() -> None:
@@ -188,7 +294,7 @@ def vllm_private_touches(path: Path, names: frozenset[str], overrides: frozenset
     every method defining one, and every ``from vllm... import _name``; a declared override point of the
     store worker may be defined in :data:`OVERRIDE_HOME`, and may call upstream's through ``super()``."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    where = path.relative_to(REPO)
+    where = shown(path)
     allowed_overrides = overrides if path == OVERRIDE_HOME else frozenset()
     inside_override: dict[int, str] = {}
     for node in ast.walk(tree):
@@ -262,7 +368,7 @@ def foreign_private_reads(path: Path, own: frozenset[str]) -> Iterator[str]:
             and not node.attr.startswith("__")
             and node.attr not in own
         ):
-            yield f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}"
+            yield f"{shown(path)}:{node.lineno}: {ast.unparse(node)}"
 
 
 NOT_VLLMS = {
@@ -284,8 +390,8 @@ def test_modules_using_vllm_read_no_private_name_but_their_own() -> None:
     assert found == []
 
 
-def test_the_vllm_private_scan_sees_reads_writes_calls_overrides_and_undeclared_names() -> None:
-    probe = REPO / "tests" / "packaging" / "_probe_vllm_private.py"
+def test_the_vllm_private_scan_sees_reads_writes_calls_overrides_and_undeclared_names(tmp_path: Path) -> None:
+    probe = tmp_path / "probe_vllm_private.py"
     probe.write_text(
         "import vllm\n"
         "from vllm.x import _helper\n"
@@ -299,12 +405,9 @@ def test_the_vllm_private_scan_sees_reads_writes_calls_overrides_and_undeclared_
         "    pool._not_declared_anywhere\n",
         encoding="utf-8",
     )
-    try:
-        names, overrides = vllm_private_names()
-        touches = [touch.split(": ", 1)[1] for touch in vllm_private_touches(probe, names, overrides)]
-        foreign = [read.split(": ", 1)[1] for read in foreign_private_reads(probe, names_kvpolicy_defines())]
-    finally:
-        probe.unlink()
+    names, overrides = vllm_private_names()
+    touches = [touch.split(": ", 1)[1] for touch in vllm_private_touches(probe, names, overrides)]
+    foreign = [read.split(": ", 1)[1] for read in foreign_private_reads(probe, names_kvpolicy_defines())]
     assert sorted(touches) == sorted([
         "from vllm.x import _helper",
         "defines Thread._record_operation",

@@ -10,9 +10,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvpolicy.engine import make_plan
 from kvpolicy.loader import load_layout, load_policy
 from kvpolicy.models import Audit, AuditMode, Layout, Policy, Topology
-from kvpolicy.engine import make_plan
 from kvpolicy.plan import Plan
 
 TP = 4

@@ -18,7 +18,8 @@ from kvpolicy.loader import load_layout
 from kvpolicy.models import Layout
 from kvpolicy.routers import DynamoDeployment, DynamoDescriptor, check_dynamo_descriptor
 from kvpolicy.runtime.audit_step import encode_report
-from kvpolicy.runtime.policy import RankPlace, RankPolicy
+from kvpolicy.runtime.binding import RankPlace
+from kvpolicy.runtime.policy import RankPolicy
 
 GQA = """\
 version: 1
@@ -53,8 +54,8 @@ def written(path: Path) -> DynamoDescriptor:
 
 
 def lookup_prefixes(runtime: RankPolicy, layout: Layout) -> list[tuple[str, ...]]:
-    assert runtime.plan is not None
-    return [tuple(sorted(group.lookup_prefixes)) for group in key_contract(runtime.plan, layout).groups]
+    assert runtime.decided_plan is not None
+    return [tuple(sorted(group.lookup_prefixes)) for group in key_contract(runtime.decided_plan, layout).groups]
 
 
 def test_the_first_rank_writes_the_descriptor_of_the_plan_it_runs(tmp_path: Path) -> None:
@@ -76,7 +77,7 @@ def test_the_descriptor_follows_a_demotion(tmp_path: Path) -> None:
                           lambda groups: [{group: bytes(8) for group in groups} for _ in range(TP)],
                           distance=lambda a, b: 1.0)
     after = written(path)
-    assert runtime.plan is not None and runtime.plan.factors == (1,)
+    assert runtime.decided_plan is not None and runtime.decided_plan.factors == (1,)
     assert after.groups[0].key_prefixes != before.groups[0].key_prefixes
     assert [group.key_prefixes for group in after.groups] == lookup_prefixes(runtime, layout)
 
@@ -97,7 +98,7 @@ def test_a_plan_dynamo_cannot_describe_writes_none_and_removes_an_old_one(tmp_pa
 def test_another_rank_writes_no_descriptor(tmp_path: Path) -> None:
     path = tmp_path / "dynamo.json"
     started(gqa_layout(tmp_path), dynamo_json=path, gather=ListGather(rank=1),
-            place=RankPlace(tp_rank=1, is_first_rank=False)).report_plan()
+            place=RankPlace(tp_rank=1, tp_size=TP)).report_plan()
     assert not path.exists()
 
 

@@ -17,7 +17,8 @@ from runtime_support import TP, HandClock, ListGather, MemoryStore, audited_poli
 from kvpolicy.audit import AuditStatus, Digest, ReplicationAuditError, agreement_key, demotion_key
 from kvpolicy.models import AuditMode, Policy
 from kvpolicy.runtime.audit_step import encode_report
-from kvpolicy.runtime.policy import RankPlace, RankPolicy
+from kvpolicy.runtime.binding import RankPlace
+from kvpolicy.runtime.policy import RankPolicy
 
 SAME = Digest("d1", all_zero=False)
 OTHER = Digest("d2", all_zero=False)
@@ -66,7 +67,7 @@ def test_a_fresh_instance_runs_the_declared_plan_after_one_gather_of_what_it_fou
     gather = ListGather()
     runtime = started(layout, gather=gather)
     declared, _ = planner(audited_policy(), layout)
-    assert runtime.plan == declared and runtime.audit is not None and not runtime.audit.inherited
+    assert runtime.decided_plan == declared and runtime.audit is not None and not runtime.audit.inherited
     assert gather.sent == [{}]
 
 
@@ -75,16 +76,16 @@ def test_an_instance_starts_demoted_where_another_instance_of_its_plan_published
     store = MemoryStore()
     store.put(demotion_key(declared, 0), b"group 0 differs on rank 2")
     runtime = started(layout, store=store)
-    assert runtime.plan is not None and runtime.plan.factors == (1, 1)
+    assert runtime.decided_plan is not None and runtime.decided_plan.factors == (1, 1)
     assert runtime.audit is not None and runtime.audit.inherited == {0: "group 0 differs on rank 2"}
-    assert runtime.plan.fingerprint != declared.fingerprint
+    assert runtime.decided_plan.fingerprint != declared.fingerprint
 
 
 def test_a_demotion_only_another_rank_saw_demotes_this_rank_too(layout) -> None:
     # Rank 0's store read finds nothing; rank 3 found the marker: both start demoted, so neither
     # waits in an audit collective the other skips.
     runtime = started(layout, gather=ListGather(rank=0, others={3: {0: "seen by rank 3 only"}}))
-    assert runtime.plan is not None and runtime.plan.factors == (1, 1)
+    assert runtime.decided_plan is not None and runtime.decided_plan.factors == (1, 1)
     assert runtime.groups_to_audit() == ()
 
 
@@ -102,7 +103,7 @@ def test_audit_off_trusts_the_rule_and_neither_reads_markers_nor_gathers(layout)
     store.put(demotion_key(declared, 0), b"differs")
     store.calls.clear()
     runtime = started(layout, policy=audited_policy(AuditMode.OFF), store=store, gather=gather)
-    assert runtime.plan is not None and runtime.plan.factors == (TP, 1)
+    assert runtime.decided_plan is not None and runtime.decided_plan.factors == (TP, 1)
     assert (store.calls, gather.sent) == ([], [])
 
 
@@ -113,7 +114,7 @@ def test_an_inherited_demotion_under_enforce_stops_start_up(layout) -> None:
 
 def test_nothing_runs_before_start(layout) -> None:
     runtime = rank_policy(audited_policy(), MemoryStore(), ListGather())
-    assert (runtime.plan, runtime.groups_to_audit(), runtime.lookup_allowed()) == (None, (), True)
+    assert (runtime.decided_plan, runtime.groups_to_audit(), runtime.lookup_allowed()) == (None, (), True)
 
 
 # --- audited steps --------------------------------------------------------------------------------------
@@ -124,29 +125,30 @@ def test_agreement_vouches_for_the_group_in_the_store(layout) -> None:
     runtime = started(layout, store=store)
     outcome = runtime.conclude_step(reports_of(SAME, SAME, SAME, SAME), no_samples)
     assert outcome.agreed == (0,) and not outcome.plan_changed
-    assert agreement_key(runtime.plan, 0) in store.objects
+    assert agreement_key(runtime.decided_plan, 0) in store.objects
 
 
 def test_a_mismatch_re_plans_binds_before_publishing_and_the_next_instance_inherits_it(layout) -> None:
     store = MemoryStore()
     runtime = started(layout, store=store)
-    declared = runtime.plan
+    declared = runtime.decided_plan
     bound = []
 
-    def on_plan_change(plan) -> None:
-        bound.append((plan.factors, dict(store.objects)))
+    def bind(binding) -> None:
+        bound.append((binding.factors, runtime.bound_plan.factors, dict(store.objects)))
 
-    outcome = runtime.conclude_step(reports_of(SAME, SAME, OTHER, SAME), differing, distance=far, on_plan_change=on_plan_change)
-    assert outcome.demoted == (0,) and runtime.plan.factors == (1, 1)
-    assert bound == [((1, 1), {})]  # bound first, markers after
+    outcome = runtime.conclude_step(reports_of(SAME, SAME, OTHER, SAME), differing, distance=far, bind=bind)
+    assert outcome.demoted == (0,) and runtime.decided_plan.factors == (1, 1) == runtime.bound_plan.factors
+    # Bound first (the decided plan changed, the bound one follows once bind returns), markers after.
+    assert bound == [((1, 1), declared.factors, {})]
     assert demotion_key(declared, 0) in store.objects
-    assert started(layout, store=store).plan.factors == (1, 1)
+    assert started(layout, store=store).decided_plan.factors == (1, 1)
 
 
 def test_a_mismatch_withdraws_the_agreement_it_had_given(layout) -> None:
     store = MemoryStore()
     runtime = started(layout, store=store)
-    declared = runtime.plan
+    declared = runtime.decided_plan
     runtime.conclude_step(reports_of(SAME, SAME, SAME, SAME), no_samples)
     assert agreement_key(declared, 0) in store.objects
     runtime.conclude_step(reports_of(SAME, OTHER, SAME, SAME), differing, distance=far)
@@ -159,19 +161,19 @@ def test_a_rank_that_could_not_digest_makes_the_step_judge_nothing(layout) -> No
     outcome = runtime.conclude_step(
         lambda: [encode_report({0: SAME}), None, encode_report({0: OTHER}), encode_report({0: SAME})], no_samples
     )
-    assert outcome.failed_ranks == (1,) and outcome.demoted == () and runtime.plan.factors == (TP, 1)
+    assert outcome.failed_ranks == (1,) and outcome.demoted == () and runtime.decided_plan.factors == (TP, 1)
 
 
 def test_a_failed_collective_raises_and_changes_nothing(layout) -> None:
     runtime = started(layout)
-    before = runtime.plan
+    before = runtime.decided_plan
 
     def broken():
         raise TimeoutError("collective timed out")
 
     with pytest.raises(TimeoutError):
         runtime.conclude_step(broken, no_samples)
-    assert runtime.plan is before and runtime.audit.steps_done == 0
+    assert runtime.decided_plan is before and runtime.audit.steps_done == 0
 
 
 def test_digests_that_differ_within_rounding_are_judged_on_sampled_values(layout) -> None:
@@ -191,15 +193,15 @@ def test_a_store_error_while_publishing_still_re_plans(layout) -> None:
     runtime = started(layout, store=store)
     store.fail = True
     outcome = runtime.conclude_step(reports_of(SAME, SAME, OTHER, SAME), differing, distance=far)
-    assert outcome.demoted == (0,) and runtime.plan.factors == (1, 1)
+    assert outcome.demoted == (0,) and runtime.decided_plan.factors == (1, 1)
 
 
 def test_only_the_rank_that_speaks_for_its_stage_writes_markers(layout) -> None:
     store = MemoryStore()
-    runtime = started(layout, store=store, gather=ListGather(rank=1), place=RankPlace(tp_rank=1, is_first_rank=False))
+    runtime = started(layout, store=store, gather=ListGather(rank=1), place=RankPlace(tp_rank=1, tp_size=TP))
     store.calls.clear()
     runtime.conclude_step(reports_of(SAME, SAME, OTHER, SAME), differing, distance=far)
-    assert store.calls == [] and runtime.plan.factors == (1, 1)
+    assert store.calls == [] and runtime.decided_plan.factors == (1, 1)
 
 
 def test_enforce_raises_on_a_mismatch_and_counts_it(layout) -> None:
@@ -262,7 +264,7 @@ def test_the_first_rank_counts_steps_and_publishes_the_plan_again_after_a_demoti
 
 
 def test_another_stage_counts_no_instance_wide_stats(layout) -> None:
-    runtime = started(layout, place=RankPlace(tp_rank=0, pp_rank=1, is_first_rank=False))
+    runtime = started(layout, place=RankPlace(pp_rank=1, pp_size=2))
     runtime.conclude_step(reports_of(SAME, SAME, SAME, SAME), no_samples)
     assert runtime.tally.drain() is None
 
@@ -272,13 +274,13 @@ def test_the_status_documents_follow_the_plan(layout, tmp_path: Path) -> None:
     runtime = started(layout, plan_json=plan_json, keys_json=keys_json)
     runtime.report_plan()
     first = json.loads(plan_json.read_text())
-    assert (first["kind"], first["fingerprint"]) == ("ReplicationPlan", runtime.plan.fingerprint)
-    assert json.loads(keys_json.read_text())["fingerprint"] == runtime.plan.fingerprint
+    assert (first["kind"], first["fingerprint"]) == ("ReplicationPlan", runtime.decided_plan.fingerprint)
+    assert json.loads(keys_json.read_text())["fingerprint"] == runtime.decided_plan.fingerprint
     runtime.conclude_step(reports_of(SAME, SAME, OTHER, SAME), differing, distance=far)
     after = json.loads(plan_json.read_text())
-    assert after["fingerprint"] == runtime.plan.fingerprint != first["fingerprint"]
+    assert after["fingerprint"] == runtime.decided_plan.fingerprint != first["fingerprint"]
     assert after["audit"]["steps_done"] == 1 and len(after["audit"]["errors"]) == 1
-    assert json.loads(keys_json.read_text())["fingerprint"] == runtime.plan.fingerprint
+    assert json.loads(keys_json.read_text())["fingerprint"] == runtime.decided_plan.fingerprint
 
 
 def test_an_inherited_demotion_is_in_the_plan_file(layout, tmp_path: Path) -> None:
@@ -291,7 +293,7 @@ def test_an_inherited_demotion_is_in_the_plan_file(layout, tmp_path: Path) -> No
 
 def test_only_the_first_rank_writes_status_documents(layout, tmp_path: Path) -> None:
     runtime = started(
-        layout, gather=ListGather(rank=1), place=RankPlace(tp_rank=1, is_first_rank=False), plan_json=tmp_path / "p.json"
+        layout, gather=ListGather(rank=1), place=RankPlace(tp_rank=1, tp_size=TP), plan_json=tmp_path / "p.json"
     )
     runtime.report_plan()
     assert list(tmp_path.iterdir()) == [tmp_path / "org_hybrid.yaml"]
@@ -409,7 +411,7 @@ def test_an_audited_step_whose_status_documents_cannot_be_rewritten_still_conclu
     shutil.rmtree(run)
     with logged() as records:
         outcome = runtime.conclude_step(reports_of(SAME, SAME, OTHER, SAME), differing, distance=far)
-    assert outcome.plan_changed and runtime.plan is not None and runtime.plan.factors == (1, 1)
+    assert outcome.plan_changed and runtime.decided_plan is not None and runtime.decided_plan.factors == (1, 1)
     failed = [message for level, message in lines(records) if level == "ERROR" and "cannot write" in message]
     assert failed == [
         f"kvpolicy: cannot write the key contract to {run / 'keys.json'} (kvpolicy_keys_json): No such file or directory; "

@@ -26,7 +26,7 @@ class Rendezvous:
         self.slots: list[object] = [None] * size
         self.calls = [0] * size
 
-    def member(self, rank: int):  # noqa: ANN201
+    def member(self, rank: int):
         def gather(payload: object) -> list[object]:
             self.slots[rank] = payload
             self.calls[rank] += 1

@@ -95,8 +95,13 @@ def test_a_get_that_raises_records_every_key_and_still_raises() -> None:
     assert failures.mask(["a", "b"], [1, 1]) == [0, 0]
 
 
-def test_the_recording_store_passes_every_other_call_through() -> None:
-    inner = Store()
+def test_the_recording_store_offers_the_read_port_and_nothing_else() -> None:
+    class Described(Store):
+        def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[str]]:
+            return {key: ["memory"] for key in keys}
+
+    inner = Described()
     store = RecordingReadStore(inner, ReadFailures(30))
-    assert store.batch_is_exist(["a"]) == [1]
+    assert store.batch_get_replica_desc(["a"]) == {"a": ["memory"]}
+    assert not hasattr(store, "batch_is_exist")  # a receive thread makes no other call: none is forwarded
     assert store.inner is inner

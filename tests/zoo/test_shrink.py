@@ -21,9 +21,9 @@ from conftest import require
 
 require("transformers")
 
-from kvpolicy.harness.zoo import shrink
-from kvpolicy.harness.zoo.names import causal_lm_types, model_types_of, vllm_text_architectures
-from kvpolicy.harness.zoo.shrink import (
+from kvpolicy.harness.zoo import shrink  # noqa: E402
+from kvpolicy.harness.zoo.names import causal_lm_types, model_types_of, vllm_text_architectures  # noqa: E402
+from kvpolicy.harness.zoo.shrink import (  # noqa: E402
     TP_DECIDING,
     SourceError,
     cores_refusal,

@@ -58,8 +58,8 @@ KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "num_query_
 HEAD_DIM_KEYS = ("head_dim", "attention_head_dim", "kv_channels", "global_head_dim", "swa_head_dim", "qk_head_dim")
 
 TP_DECIDING: dict[str, str] = {
-    **{key: "attention heads: TP splits them" for key in HEAD_KEYS},
-    **{key: "KV heads: replicated over tp // heads ranks when TP exceeds them" for key in KV_HEAD_KEYS},
+    **dict.fromkeys(HEAD_KEYS, "attention heads: TP splits them"),
+    **dict.fromkeys(KV_HEAD_KEYS, "KV heads: replicated over tp // heads ranks when TP exceeds them"),
     "num_global_key_value_heads": "per-layer KV heads of full-attention layers",
     "swa_num_key_value_heads": "per-layer KV heads of sliding layers",
     "swa_num_attention_heads": "per-layer attention heads of sliding layers",
@@ -113,7 +113,7 @@ TP_DECIDING: dict[str, str] = {
 value of each layer it keeps). The value is why."""
 
 HEAD_SIZES: dict[str, str] = {
-    **{key: "head size" for key in HEAD_DIM_KEYS},
+    **dict.fromkeys(HEAD_DIM_KEYS, "head size"),
     "v_head_dim": "value head size (MLA)",
 }
 """Head sizes: they size pages (and so a hybrid's block and which layers share a group), not who holds
@@ -359,7 +359,9 @@ def per_layer_fields(config: Mapping[str, Any], layers: int) -> tuple[list[str],
     for key, value in config.items():
         if key in NOT_PER_LAYER or key in INDEX_LISTS:
             continue
-        if isinstance(value, list) and len(value) == layers and layers > 2 or key in PATTERN_STRINGS and isinstance(value, str) and len(value) == layers:
+        if (isinstance(value, list) and len(value) == layers and layers > 2) or (
+            key in PATTERN_STRINGS and isinstance(value, str) and len(value) == layers
+        ):
             lists.append(key)
     index_lists = [key for key in INDEX_LISTS if isinstance(config.get(key), list)]
     return lists, index_lists
