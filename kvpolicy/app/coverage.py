@@ -9,23 +9,32 @@ from pathlib import Path
 from typing import Any
 
 RESULT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "zoo.json"
+WARM_PATH = RESULT.with_name("zoo_warm_path.json")
+"""``benchmarks/zoo_warm_path.py``'s result: for the copies whose warm run was not bit-exact, the store's
+bytes and vLLM's own prefix hit."""
 
 
 def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ").strip()
 
 
+def _short(spec_type: str) -> str:
+    return spec_type.removesuffix("Spec") or spec_type
+
+
 def _groups(entry: dict[str, Any]) -> str:
-    parts = []
-    for group in entry.get("groups", ()):
-        types = "/".join(group["spec_types"])
-        parts.append(f"{types} x{group['layers']}: {group['partition'] or 'none compared'}")
-    return "; ".join(parts)
+    """The cell's KV cache groups, alike ones counted once: ``SlidingWindowAttention x5, FullAttention``."""
+    kinds: Counter[str] = Counter("/".join(map(_short, group["spec_types"])) for group in entry.get("groups", ()))
+    return ", ".join(kind if count == 1 else f"{kind} x{count}" for kind, count in kinds.items())
+
+
+def _partitions(entry: dict[str, Any]) -> str:
+    """The observed partitions of the TP ranks, once each: every group's when they are all alike."""
+    seen = list(dict.fromkeys(str(group["partition"] or "none compared") for group in entry.get("groups", ())))
+    return "; ".join(seen)
 
 
 def _agreement(entry: dict[str, Any], key: str) -> str:
-    if entry.get("status") != "served":
-        return ""
     differences = entry.get(key) or []
     return "agrees" if not differences else f"{len(differences)} differences"
 
@@ -35,14 +44,54 @@ def _warm(entry: dict[str, Any]) -> str:
     if not warm:
         return ""
     same = "same tokens" if warm["same_tokens"] else "other tokens"
-    return f"{warm['cached_tokens']}/{warm['prompt_tokens']} loaded, {same}, diff {warm['max_logprob_diff']:.2g}"
+    text = f"{warm['cached_tokens']}/{warm['prompt_tokens']} loaded, {same}, diff {warm['max_logprob_diff']:.2g}"
+    return text
 
 
 def _objects(entry: dict[str, Any]) -> str:
-    if entry.get("status") != "served" or entry.get("objects_written") is None:
+    if entry.get("objects_written") is None:
         return ""
     planned = entry.get("objects_planned")
     return f"{entry['objects_written']} / {planned if isinstance(planned, int) else 'not modelled'}"
+
+
+def _difference(measured: dict[str, Any]) -> str:
+    tokens = "" if measured["same_tokens"] else ", other tokens"
+    return f"{measured['max_logprob_diff']:.2g}{tokens}"
+
+
+def warm_path_markdown(path: Path = WARM_PATH) -> str:
+    """The Warm path section: per copy, the prompt's blocks warm vs cold byte for byte, and the warm
+    difference next to what vLLM's own prefix hit changes with no store."""
+    if not path.is_file():
+        return "*No warm-path result yet: run `benchmarks/zoo_warm_path.py`.*\n"
+    entries = json.loads(path.read_text(encoding="utf-8")).get("entries", {})
+    measured = [entry for entry in entries.values() if "error" not in entry]
+    exact_bytes = [entry for entry in measured if entry["blocks"]["identical"] == entry["blocks"]["compared"]]
+    like_vllm = [entry for entry in measured
+                 if entry["warm"]["max_logprob_diff"] <= entry["vllm_prefix_alone"]["max_logprob_diff"]]
+    lines = [
+        f"- the prompt's blocks byte-identical warm vs cold, on every rank and KV cache tensor: {len(exact_bytes)} "
+        f"of {len(measured)} copies" + (f" ({len(entries) - len(measured)} failed to serve)" if len(measured) < len(entries) else ""),
+        f"- warm differs from cold by no more than vLLM's own prefix hit does, alone: {len(like_vllm)} of {len(measured)}",
+        "",
+        "| architecture | TP | prompt blocks identical | warm vs cold | vLLM's own prefix hit: alone | together |",
+        "|---|---:|---|---|---|---|",
+    ]
+    for key in sorted(entries):
+        entry = entries[key]
+        if "error" in entry:
+            lines.append(f"| {_cell(entry['architecture'])} | {entry['tp_size']} | {_cell(entry['error'][:120])} | | | |")
+            continue
+        blocks = entry["blocks"]
+        identical = f"{blocks['identical']} / {blocks['compared']}"
+        if blocks["differing"]:
+            identical += ": " + ", ".join(blocks["differing"][:3])
+        lines.append("| " + " | ".join(_cell(value) for value in (
+            entry["architecture"], entry["tp_size"], identical, _difference(entry["warm"]),
+            _difference(entry["vllm_prefix_alone"]), _difference(entry["vllm_prefix_together"]),
+        )) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def coverage_markdown(path: Path = RESULT) -> str:
@@ -66,22 +115,34 @@ def coverage_markdown(path: Path = RESULT) -> str:
         "",
         f"- served on CPU: {len(served)} cells ({len({e['architecture'] for e in served})} architectures)",
         f"- observed partitions agree with `default`'s plan, with evidence in every group: {len(agreeing)}",
-        f"- warm engine: same tokens in {len(same)}, bit-exact logprobs in {len(exact)}",
+        f"- warm engine: same tokens in {len(same)}, bit-exact logprobs in {len(exact)} (the others: "
+        "[Warm path](#warm-path))",
         "- not served: " + (", ".join(f"{reason} {count}" for reason, count in sorted(reasons.items())) or "none"),
     ]
     for stamp, seconds in sorted(data.get("sweep_wall_s", {}).items()):
         lines.append(f"- sweep run ending {stamp}: {seconds / 60:.1f} min wall")
-    header = ("| architecture | TP | status | groups: spec x layers: observed partition | `default` | `vllm-compat` "
-              "| warm vs cold | objects written / planned | block | s | first error line |")
-    lines += ["", header, "|---|---:|---|---|---|---|---|---|---:|---:|---|"]
     order = {name: index for index, name in enumerate(names)}
-    for key in sorted(entries, key=lambda k: (order.get(entries[k]["architecture"], 1 << 20), entries[k]["tp_size"])):
+    keys = sorted(entries, key=lambda k: (order.get(entries[k]["architecture"], 1 << 20), entries[k]["tp_size"]))
+    lines += ["", "### Served", "",
+              "| architecture | TP | KV cache groups | observed partition | `default`, `vllm-compat` | warm vs cold "
+              "| objects written / planned | block |",
+              "|---|---:|---|---|---|---|---|---:|"]
+    for key in keys:
         entry = entries[key]
+        if entry.get("status") != "served":
+            continue
         lines.append("| " + " | ".join(_cell(value) for value in (
-            entry["architecture"], entry["tp_size"], entry.get("status", "?"), _groups(entry),
-            _agreement(entry, "default"), _agreement(entry, "vllm_compat"), _warm(entry), _objects(entry),
+            entry["architecture"], entry["tp_size"], _groups(entry), _partitions(entry),
+            f"{_agreement(entry, 'default')}, {_agreement(entry, 'vllm_compat')}", _warm(entry), _objects(entry),
             entry.get("block_size") or "",
-            f"{entry.get('wall_s', 0):.0f}", (entry.get("error") or "")[:160],
+        )) + " |")
+    lines += ["", "### Not served", "", "| architecture | TP | reason | first error line |", "|---|---:|---|---|"]
+    for key in keys:
+        entry = entries[key]
+        if entry.get("status") == "served":
+            continue
+        lines.append("| " + " | ".join(_cell(value) for value in (
+            entry["architecture"], entry["tp_size"], entry.get("status", "?"), (entry.get("error") or "")[:160],
         )) + " |")
     missing = [name for name in names if name not in swept]
     if missing:

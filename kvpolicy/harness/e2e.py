@@ -90,6 +90,13 @@ class EngineResult:
     recurrent state, so it may exceed the one asked for); 0 when the child did not report it."""
     prompt_token_ids: tuple[int, ...] = ()
     """The prompt served (the one given, or the one made from :class:`AutoPrompts`)."""
+    repeat: EngineResult | None = None
+    """With :func:`serve_once`'s *repeat*: the same prompts served again by the same engine, hitting
+    vLLM's own prefix cache: what a prefix hit changes in this engine without any store."""
+    block_digests: tuple[dict[str, tuple[str, ...]], ...] = ()
+    """With :func:`serve_once`'s *digest_blocks*: per TP rank, per KV cache tensor (``LAYER.PART``: a
+    recurrent layer has a tensor per state), the SHA-1 of each block the first prompt held, in the
+    order of its block table (``""`` for a null block), read after the first batch was served."""
     stdout: str = field(default="", repr=False)
     stderr: str = field(default="", repr=False)
 
@@ -104,8 +111,8 @@ class EngineResult:
         if not self.logprobs or not other.logprobs:
             return float("inf")
         worst = 0.0
-        for mine_token, theirs_token, mine, theirs in zip(
-            self.tokens, other.tokens, self.logprobs, other.logprobs
+        for mine_token, theirs_token, mine, theirs in zip(  # up to the shorter run
+            self.tokens, other.tokens, self.logprobs, other.logprobs, strict=False
         ):
             common = mine.keys() & theirs.keys()
             if not common:
@@ -276,7 +283,7 @@ def serve_once(
     prompt_token_ids: Sequence[int],
     *,
     tp_size: int,
-    kv_transfer_config: Mapping[str, Any],
+    kv_transfer_config: Mapping[str, Any] | None,
     mooncake_config_path: str | os.PathLike[str],
     max_tokens: int = 8,
     logprobs: int = 5,
@@ -294,6 +301,8 @@ def serve_once(
     skip_tokenizer_init: bool = False,
     auto_prompts: AutoPrompts | None = None,
     max_num_seqs: int = 4,
+    repeat: bool = False,
+    digest_blocks: bool = False,
 ) -> EngineResult:
     """Serve *prompt_token_ids* once in a fresh vLLM engine process and return what it produced.
 
@@ -320,6 +329,13 @@ def serve_once(
     *extra_prompts* are served in the same batch as *prompt_token_ids* (their output is not
     reported): more requests saving in one step, as discovery wants.
 
+    With *repeat*, prefix caching is on and the engine serves the prompts a second time once the
+    first batch is done; the result's ``repeat`` is that second run (its ``num_cached_tokens`` are
+    vLLM's own prefix hits). *kv_transfer_config* ``None`` runs the engine with no KV connector.
+    With *digest_blocks*, every rank digests the blocks of the first prompt in each KV cache tensor
+    once the first batch is served (the result's ``block_digests``): what a warm engine loaded can be
+    compared byte for byte with what a cold one computed.
+
     A model written from a configuration alone (:mod:`kvpolicy.harness.zoo`) has no tokenizer and may
     have no weights: *load_format* ``"dummy"`` has vLLM draw them, *skip_tokenizer_init* serves token
     ids without a tokenizer (and without detokenizing), and *auto_prompts* has the child make the
@@ -337,7 +353,7 @@ def serve_once(
         "model": os.fspath(Path(model_dir).resolve()),
         "prompt_token_ids": [int(token) for token in prompt_token_ids],
         "tp_size": tp_size,
-        "kv_transfer_config": dict(kv_transfer_config),
+        "kv_transfer_config": None if kv_transfer_config is None else dict(kv_transfer_config),
         "max_tokens": max_tokens,
         "logprobs": logprobs,
         "block_size": block_size,
@@ -350,6 +366,8 @@ def serve_once(
         "skip_tokenizer_init": skip_tokenizer_init,
         "auto_prompts": None if auto_prompts is None else dataclasses.asdict(auto_prompts),
         "max_num_seqs": max_num_seqs,
+        "repeat": repeat,
+        "digest_blocks": digest_blocks,
     }
     env = engine_env(tp_size, mooncake_config_path)
     # The engine core runs in the child itself (also at TP>1, where the mp executor still forks
@@ -404,9 +422,10 @@ def serve_once(
             stderr=stderr,
         )
     data = json.loads(result_lines[-1][len(RESULT_MARKER) :])
+    again = data.get("repeat")
     return EngineResult(
         tokens=tuple(data["tokens"]),
-        logprobs=tuple({int(token): value for token, value in step.items()} for step in data["logprobs"]),
+        logprobs=_logprobs(data["logprobs"]),
         num_cached_tokens=int(data["num_cached_tokens"]),
         prompt_len=int(data["prompt_len"]),
         block_size=int(data.get("block_size", 0)),
@@ -417,9 +436,21 @@ def serve_once(
         saves_drained=bool(data.get("saves_drained", False)),
         worker_start=str(data.get("worker_start", "")),
         traffic=traffic,
+        block_digests=tuple(
+            {name: tuple(digests) for name, digests in rank.items()} for rank in data.get("block_digests", ())
+        ),
+        repeat=None if again is None else EngineResult(
+            tokens=tuple(again["tokens"]), logprobs=_logprobs(again["logprobs"]),
+            num_cached_tokens=int(again["num_cached_tokens"]), prompt_len=int(data["prompt_len"]),
+            startup_s=0.0, generate_s=float(again["generate_s"]), wall_s=0.0,
+        ),
         stdout=stdout,
         stderr=stderr,
     )
+
+
+def _logprobs(steps: Sequence[Mapping[str, float]]) -> tuple[dict[int, float], ...]:
+    return tuple({int(token): value for token, value in step.items()} for step in steps)
 
 
 def engine_env(
@@ -459,7 +490,7 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     hybrid_options: dict[str, Any] = (
         {"enable_prefix_caching": True, "mamba_cache_mode": "align"}
         if spec["hybrid"]
-        else {"enable_prefix_caching": False}
+        else {"enable_prefix_caching": bool(spec.get("repeat"))}
     )
     loading: dict[str, Any] = {}
     if spec.get("load_format"):
@@ -480,7 +511,7 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         max_model_len=int(spec["max_model_len"]),
         max_num_seqs=int(spec.get("max_num_seqs", 4)),
         seed=0,
-        kv_transfer_config=KVTransferConfig(**spec["kv_transfer_config"]),
+        kv_transfer_config=None if spec["kv_transfer_config"] is None else KVTransferConfig(**spec["kv_transfer_config"]),
     )
     startup = time.monotonic() - started
     worker_start = _worker_start_method(llm)
@@ -506,19 +537,23 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
             **({"detokenize": False} if spec.get("skip_tokenizer_init") else {}),
         )
         started = time.monotonic()
+        held = _record_block_ids(llm) if spec.get("digest_blocks") else {}
         outputs = llm.generate(
             [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts], params, use_tqdm=False
         )
         generate = time.monotonic() - started
-        completion = outputs[0].outputs[0]
-        steps = [
-            {str(token): float(entry.logprob) for token, entry in step.items()}
-            for step in (completion.logprobs or [])
-        ]
+        digests = llm.collective_rpc(block_digests, args=(_first_request(held, outputs[0].request_id),)) if held else []
+        again = None
+        if spec.get("repeat"):
+            started = time.monotonic()
+            repeated = llm.generate(
+                [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts], params, use_tqdm=False
+            )
+            again = {**_completion(repeated[0]), "generate_s": time.monotonic() - started}
         return {
-            "tokens": list(completion.token_ids),
-            "logprobs": steps,
-            "num_cached_tokens": int(outputs[0].num_cached_tokens or 0),
+            **_completion(outputs[0]),
+            "repeat": again,
+            "block_digests": digests,
             "prompt_len": len(prompts[0]),
             "prompt_token_ids": list(prompts[0]),
             "block_size": block_size,
@@ -530,6 +565,63 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     except BaseException:
         _shutdown(llm)
         raise
+
+
+def _record_block_ids(llm: Any) -> dict[str, list[list[int]]]:
+    """Request id -> its block ids per KV cache group, as the scheduler last allocated them (vLLM frees
+    them once the request finishes). Needs the engine core in this process."""
+    manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    allocate = manager.allocate_slots
+    held: dict[str, list[list[int]]] = {}
+
+    def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+        blocks = allocate(request, *args, **kwargs)
+        if blocks is not None:
+            held[request.request_id] = [list(ids) for ids in manager.get_block_ids(request.request_id)]
+        return blocks
+
+    manager.allocate_slots = allocate_slots
+    return held
+
+
+def _first_request(held: dict[str, list[list[int]]], request_id: str) -> list[list[int]]:
+    """The block ids of the output's request: the engine core may have suffixed its id."""
+    return next(ids for key, ids in held.items() if key == request_id or key.startswith(f"{request_id}-"))
+
+
+def block_digests(worker: Any, block_ids: list[list[int]]) -> dict[str, list[str]]:
+    """Run on each TP worker (``LLM.collective_rpc``): for each layer of each KV cache group, the SHA-1 of
+    each block in *block_ids* (that group's block table of one request; ``""`` for the null block 0),
+    from the view the layer computes with (a recurrent layer's per-state views are ``LAYER.0``, ``.1``...;
+    block index first in each)."""
+    import hashlib
+
+    import torch
+
+    runner = worker.model_runner
+    context = runner.vllm_config.compilation_config.static_forward_context
+    digests: dict[str, list[str]] = {}
+    for group, ids in zip(runner.kv_cache_config.kv_cache_groups, block_ids, strict=True):
+        for name in group.layer_names:
+            cache = context[name].kv_cache
+            for part, tensor in enumerate(cache if isinstance(cache, (list, tuple)) else [cache]):
+                digests[f"{name}.{part}"] = [
+                    hashlib.sha1(tensor[block].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                    if block else "" for block in ids
+                ]
+    return digests
+
+
+def _completion(output: Any) -> dict[str, Any]:
+    """A request's generated tokens, their logprobs and its cached prompt tokens, as JSON."""
+    completion = output.outputs[0]
+    return {
+        "tokens": list(completion.token_ids),
+        "logprobs": [
+            {str(token): float(entry.logprob) for token, entry in step.items()} for step in (completion.logprobs or [])
+        ],
+        "num_cached_tokens": int(output.num_cached_tokens or 0),
+    }
 
 
 def _keep_forked_workers() -> None:

@@ -31,16 +31,21 @@ from pathlib import Path
 import pytest
 from conftest import require, unavailable
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
 if importlib.util.find_spec("vllm") is None:
     unavailable("vllm is not installed (in a kvpolicy checkout: pip install '.[vllm]' on GPUs, '.[cpu]' on CPUs)")
 require("mooncake.store")
 require("transformers")
 
-from kvpolicy.app.cli import main as kvpolicy_main
-from kvpolicy.harness.zoo.observe import ZooStore, build, degenerate, observe, summarize
-from kvpolicy.harness.zoo.shrink import TinyCopy, shrink
+from kvpolicy.app.cli import main as kvpolicy_main  # noqa: E402
+from kvpolicy.harness.zoo.observe import (  # noqa: E402
+    ZooStore,
+    build,
+    degenerate,
+    observe,
+    prompt_blocks_unlike,
+    summarize,
+)
+from kvpolicy.harness.zoo.shrink import TinyCopy, shrink  # noqa: E402
 
 TP_SIZE = 2
 REPO = Path(__file__).resolve().parents[2]
@@ -201,3 +206,46 @@ def test_a_plugin_spec_class_is_discovered_from_a_config_alone_and_its_proposed_
     for group, observed in zip(plan.groups, report.groups, strict=True):
         replica_sets = sorted({rank.replica_set for rank in group.ranks})
         assert [list(s) for s in replica_sets] == [list(c) for c in observed.partition], f"group {group.index}"
+
+
+WARM_BYTES = ("MLA", "short conv")
+"""Families whose warm engine is not bit-exact with the cold one in the sweep (MLA changes tokens, short
+conv logprobs): the store must still give back exactly the bytes the cold engine computed."""
+
+
+def _prompt_blocks_unlike_cold(family: str, policy: str, scratch: Path) -> list[str]:
+    """One prompt of two full blocks through a cold and a warm engine under *policy*: the prompt's full
+    blocks whose bytes differ warm vs cold (``rank R LAYER.PART block B``)."""
+    from kvpolicy.harness.e2e import serve_once
+    from kvpolicy.harness.zoo.observe import engine_options
+    from kvpolicy.settings import KVPolicySettings
+
+    copy = shrink(FAMILIES[family])
+    model = build(copy, scratch / "model")
+    connector = KVPolicySettings(kvpolicy=policy).kv_transfer_config(upstream_extra={"cache_prefix": scratch.name})
+    with ZooStore(scratch / "store") as store:
+        options = engine_options(copy, store, tp_size=TP_SIZE, prompts=1, timeout=240)
+        cold = serve_once(model, [], kv_transfer_config=connector, digest_blocks=True, **options)
+        warm = serve_once(model, [], kv_transfer_config=connector, digest_blocks=True, **options)
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 2 * warm.block_size
+    assert len(cold.block_digests) == len(warm.block_digests) == TP_SIZE
+    differing, compared = prompt_blocks_unlike(cold, warm, full_blocks=2)
+    assert compared >= 2 * TP_SIZE  # every rank compared both full blocks of at least one layer
+    return differing
+
+
+@pytest.mark.parametrize("family", WARM_BYTES)
+def test_a_warm_engine_holds_exactly_the_prompt_blocks_the_cold_one_computed(
+    tmp_path_factory: pytest.TempPathFactory, family: str
+) -> None:
+    assert _prompt_blocks_unlike_cold(family, "default", tmp_path_factory.mktemp("warm-bytes")) == []
+
+
+def test_under_the_pre_fix_rule_a_warm_engine_holds_another_ranks_shards(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The comparison above can fail: the pre-fix rule stores every group once for all ranks (each rank
+    writing some of the blocks), so each rank's warm engine holds the other's shards in those blocks."""
+    pre_fix = str(REPO / "examples" / "policies" / "pre-fix-single-factor.yaml")
+    differing = _prompt_blocks_unlike_cold("short conv", pre_fix, tmp_path_factory.mktemp("pre-fix-bytes"))
+    assert {int(where.split()[1]) for where in differing} == set(range(TP_SIZE))

@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from kvpolicy.harness.e2e import AutoPrompts, EngineFailed, SegmentHolder, engine_store_config, serve_once
+from kvpolicy.harness.e2e import (
+    AutoPrompts,
+    EngineFailed,
+    EngineResult,
+    SegmentHolder,
+    engine_store_config,
+    serve_once,
+)
 from kvpolicy.harness.zoo.shrink import VOCAB, TinyCopy
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -169,8 +176,20 @@ def build(copy: TinyCopy, directory: str | os.PathLike[str], *, seed: int = 0) -
     return target
 
 
-def _python_path(copy: TinyCopy) -> list[Path]:
-    return [PLUGINS] if copy.plugins else []
+def prompt_blocks_unlike(cold: EngineResult, warm: EngineResult, *, full_blocks: int) -> tuple[list[str], int]:
+    """The first prompt's full blocks, warm vs cold (``serve_once(digest_blocks=True)`` on both): those
+    whose bytes differ (``rank R LAYER.PART block B``), and how many were compared (a block null in either
+    engine, such as a recurrent state vLLM keeps only at the last boundary, is not compared)."""
+    differing = []
+    compared = 0
+    for rank, (computed, loaded) in enumerate(zip(cold.block_digests, warm.block_digests, strict=True)):
+        for name, digests in computed.items():
+            for block in range(min(full_blocks, len(digests), len(loaded[name]))):
+                if digests[block] and loaded[name][block]:
+                    compared += 1
+                    if digests[block] != loaded[name][block]:
+                        differing.append(f"rank {rank} {name} block {block}")
+    return differing, compared
 
 
 def _max_model_len(copy: TinyCopy) -> int:
@@ -179,6 +198,21 @@ def _max_model_len(copy: TinyCopy) -> int:
         if isinstance(value, int) and value > 0:
             return min(MAX_MODEL_LEN, value)
     return MAX_MODEL_LEN
+
+
+def engine_options(
+    copy: TinyCopy, store: ZooStore, *, tp_size: int, prompts: int = 4, timeout: float = DEFAULT_TIMEOUT_S
+) -> dict[str, Any]:
+    """:func:`~kvpolicy.harness.e2e.serve_once`'s options for the copy at *tp_size* against *store*:
+    *prompts* prompts of two full blocks and one token, made once the engine knows its block size."""
+    assert store.config_path is not None
+    vocab = int(copy.config.get("vocab_size") or VOCAB)
+    return {
+        "tp_size": tp_size, "mooncake_config_path": store.config_path, "max_tokens": MAX_TOKENS,
+        "dtype": copy.dtype, "hybrid": copy.recurrent, "python_path": [PLUGINS] if copy.plugins else [],
+        "skip_tokenizer_init": True, "max_model_len": _max_model_len(copy), "timeout": timeout,
+        "auto_prompts": AutoPrompts(blocks=2, count=prompts, vocab_size=min(vocab, VOCAB), seed=0),
+    }
 
 
 def observe(
@@ -198,21 +232,13 @@ def observe(
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     stem = stem or copy.model_type.replace("_", "-")
-    vocab = int(copy.config.get("vocab_size") or VOCAB)
-    prompts = AutoPrompts(blocks=2, count=4, vocab_size=min(vocab, VOCAB), seed=0)
-    assert store.config_path is not None
     for tp_size in tp_sizes:
         from kvpolicy.settings import KVPolicySettings
 
         report = out / f"{stem}-tp{tp_size}.yaml"
         report.unlink(missing_ok=True)
         prefix = f"zoo-{stem}-tp{tp_size}-{uuid.uuid4().hex[:8]}"
-        common: dict[str, Any] = {
-            "tp_size": tp_size, "mooncake_config_path": store.config_path, "max_tokens": MAX_TOKENS,
-            "dtype": copy.dtype, "hybrid": copy.recurrent, "python_path": _python_path(copy),
-            "skip_tokenizer_init": True, "auto_prompts": prompts, "max_model_len": _max_model_len(copy),
-            "timeout": timeout, "master_metrics_url": store.metrics_url,
-        }
+        common = {**engine_options(copy, store, tp_size=tp_size, timeout=timeout), "master_metrics_url": store.metrics_url}
         settings = KVPolicySettings(kvpolicy=policy, kvpolicy_discover=report, kvpolicy_discover_steps=DISCOVER_STEPS)
         started = time.monotonic()
         try:
