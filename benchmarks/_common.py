@@ -91,7 +91,7 @@ def verdict(value: float, interval: tuple[float, float], target: float) -> str:
 
 def example_layouts(names: Sequence[str] | None = None) -> list[tuple[str, Any]]:
     """The layouts in ``examples/layouts/`` (all, or those whose file stem is in *names*)."""
-    from kvpolicy.loader import layouts_dir, load_layout
+    from kvpolicy.documents.loader import layouts_dir, load_layout
 
     paths = sorted(layouts_dir().glob("*.yaml"))
     if names:

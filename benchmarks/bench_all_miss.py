@@ -73,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median_ci, table, verdict
 from bench_e2e import Engine
 
-from kvpolicy.settings import KVPolicySettings
+from kvpolicy.documents.settings import KVPolicySettings
 
 TTFT_TARGET = 1.03
 """kvpolicy TTFT / no-connector TTFT at most this."""

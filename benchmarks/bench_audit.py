@@ -55,10 +55,10 @@ def _audit_off_policy(directory: Path) -> Path:
 
 
 def engine_part(args: argparse.Namespace) -> None:
+    from kvpolicy.documents.settings import KVPolicySettings
     from kvpolicy.harness.e2e import SegmentHolder, engine_store_config, fixed_prompt, serve_once
     from kvpolicy.harness.tinymodel import make_tiny_llama
     from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.settings import KVPolicySettings
 
     prompt = fixed_prompt(args.tokens, seed=4096)
     rows = []
@@ -148,11 +148,11 @@ def engine_part(args: argparse.Namespace) -> None:
 
 
 def digest_part(args: argparse.Namespace) -> None:
-    from kvpolicy.audit import audited_groups
     from kvpolicy.device.blocks import local_digests
-    from kvpolicy.engine import make_plan
-    from kvpolicy.loader import layouts_dir, load_layout, load_policy
-    from kvpolicy.models import Topology
+    from kvpolicy.documents.loader import layouts_dir, load_layout, load_policy
+    from kvpolicy.evidence.audit import audited_groups
+    from kvpolicy.language.models import Topology
+    from kvpolicy.planning.engine import make_plan
     from kvpolicy.vllm.audit import AUDIT_BLOCKS_PER_REQUEST, AUDIT_REQUESTS_PER_STEP
 
     blocks = AUDIT_REQUESTS_PER_STEP * AUDIT_BLOCKS_PER_REQUEST

@@ -43,13 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", nargs="+", default=["default", "vllm-compat"], help="shipped names or paths")
     args = parser.parse_args(argv)
 
-    from kvpolicy.loader import load_policy
-    from kvpolicy.models import Topology
+    from kvpolicy.documents.loader import load_policy
+    from kvpolicy.language.models import Topology
     from kvpolicy.mooncake import MooncakeMaster
     from kvpolicy.mooncake.native_log import native_stderr_to
     from kvpolicy.mooncake.pool import ClientPool
+    from kvpolicy.planning.store_layout import select_store_layout
     from kvpolicy.sim import BLOCK_SIZE, archetype_from_layout, run_mixed
-    from kvpolicy.store_layout import select_store_layout
 
     policies = [load_policy(name) for name in args.policies]
     full_hit = (args.tokens - 1) // BLOCK_SIZE * BLOCK_SIZE

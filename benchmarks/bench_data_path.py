@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import example_layouts, median, median_ci, table, verdict
 
-from kvpolicy.keys import chunk_key, split_chunk_key
+from kvpolicy.language.keys import chunk_key, split_chunk_key
 
 DEFAULT_LAYOUTS = (
     "llama-3.1-70b", "deepseek-v3", "gpt-oss-120b", "kimi-linear-48b-a3b", "qwen3-next-80b-a3b", "nemotron-h-8b",
@@ -171,7 +171,7 @@ class Pair:
 def run_layout(stem: str, layout: Any, args: argparse.Namespace, master: Any, pool: Any) -> dict[str, Any]:
     from mooncake.store import ReplicateConfig
 
-    from kvpolicy.loader import load_policy
+    from kvpolicy.documents.loader import load_policy
     from kvpolicy.sim import Fleet, archetype_from_layout
 
     policy = load_policy(args.policy)

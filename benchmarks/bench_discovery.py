@@ -48,10 +48,10 @@ MODELS = ("llama", "qwen3-next")
 
 
 def engine_part(args: argparse.Namespace) -> None:
+    from kvpolicy.documents.settings import KVPolicySettings
     from kvpolicy.harness.e2e import SegmentHolder, engine_store_config, fixed_prompt, serve_once
     from kvpolicy.harness.tinymodel import ARCHITECTURES, make_tiny_model
     from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.settings import KVPolicySettings
 
     prompts = [fixed_prompt(args.tokens, seed=seed) for seed in range(4)]
     rows = []
@@ -107,9 +107,9 @@ def engine_part(args: argparse.Namespace) -> None:
 
 def digest_part(args: argparse.Namespace) -> None:
     from kvpolicy.device.blocks import local_digests, local_layer_digests
-    from kvpolicy.engine import make_plan
-    from kvpolicy.loader import layouts_dir, load_layout, load_policy
-    from kvpolicy.models import Topology
+    from kvpolicy.documents.loader import layouts_dir, load_layout, load_policy
+    from kvpolicy.language.models import Topology
+    from kvpolicy.planning.engine import make_plan
     from kvpolicy.vllm.audit import AUDIT_BLOCKS_PER_REQUEST, AUDIT_REQUESTS_PER_STEP
 
     blocks = AUDIT_REQUESTS_PER_STEP * AUDIT_BLOCKS_PER_REQUEST
@@ -146,9 +146,9 @@ def digest_part(args: argparse.Namespace) -> None:
 
 
 def report_part(args: argparse.Namespace) -> None:
-    from kvpolicy.discovery import Observer, dump_report, group_layers
-    from kvpolicy.loader import layouts_dir, load_layout
-    from kvpolicy.models import Topology
+    from kvpolicy.documents.loader import layouts_dir, load_layout
+    from kvpolicy.evidence.discovery import Observer, dump_report, group_layers
+    from kvpolicy.language.models import Topology
 
     body = []
     for path in sorted(layouts_dir().glob("*.yaml")):

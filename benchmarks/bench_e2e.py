@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import REPO, median_ci, table, verdict
 
-from kvpolicy.settings import KVPolicySettings
+from kvpolicy.documents.settings import KVPolicySettings
 
 TARGET = 0.98
 BLOCK_SIZE = 32

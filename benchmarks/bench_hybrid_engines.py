@@ -26,13 +26,13 @@ from pathlib import Path
 
 from _common import table
 
-from kvpolicy.engine import make_plan
+from kvpolicy.documents.loader import load_layout, load_policy
+from kvpolicy.documents.settings import KVPolicySettings
 from kvpolicy.harness.e2e import SegmentHolder, engine_store_config, fixed_prompt, serve_once
 from kvpolicy.harness.tinymodel import ARCHITECTURES, HYBRIDS, make_tiny_model
-from kvpolicy.loader import load_layout, load_policy
 from kvpolicy.mooncake.master import MooncakeMaster
-from kvpolicy.settings import KVPolicySettings
-from kvpolicy.traffic import prompt_traffic
+from kvpolicy.planning.engine import make_plan
+from kvpolicy.planning.traffic import prompt_traffic
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGINS = REPO / "kvpolicy" / "harness" / "zoo" / "plugins"
@@ -92,7 +92,7 @@ def run(arch: str, policy_label: str, master: MooncakeMaster, store_config: Path
 
 
 def _topology():
-    from kvpolicy.models import Topology
+    from kvpolicy.language.models import Topology
 
     return Topology(tp_size=2)
 

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from kvpolicy.loader import load_policy
+    from kvpolicy.documents.loader import load_policy
     from kvpolicy.mooncake import MooncakeMaster
     from kvpolicy.mooncake.native_log import native_stderr_to
     from kvpolicy.mooncake.pool import ClientPool

@@ -31,10 +31,10 @@ from typing import NamedTuple
 
 import yaml
 
-from kvpolicy.engine import PLANS, make_plan
-from kvpolicy.keys import KeyContext
-from kvpolicy.loader import load_layout, load_policy, resolve_policy_path
-from kvpolicy.models import Topology
+from kvpolicy.documents.loader import load_layout, load_policy, resolve_policy_path
+from kvpolicy.language.keys import KeyContext
+from kvpolicy.language.models import Topology
+from kvpolicy.planning.engine import PLANS, make_plan
 
 LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 TARGET = 1.5

@@ -66,8 +66,8 @@ def _reads(instance: Any) -> tuple[dict[str, int], int, int]:
 
 
 def measure_layout(stem: str, layout: Any, tp: int, args: argparse.Namespace, master: Any, pool: Any) -> dict[str, Any]:
-    from kvpolicy.loader import load_policy
-    from kvpolicy.models import LoadMode
+    from kvpolicy.documents.loader import load_policy
+    from kvpolicy.language.models import LoadMode
     from kvpolicy.sim import Fleet, archetype_from_layout
 
     policies = {
@@ -189,9 +189,9 @@ def amplification(args: argparse.Namespace) -> tuple[list[tuple[Any, ...]], bool
 
 def gpu_shape(stem: str, layout: Any, tp: int, tokens: int, budget: int) -> tuple[Any, ...]:
     """One row: a ``tokens``-token striped load on every rank of ``layout`` at ``tp``, from the plan."""
-    from kvpolicy.engine import plan_deployment
-    from kvpolicy.loader import load_policy
-    from kvpolicy.models import LoadMode, Topology
+    from kvpolicy.documents.loader import load_policy
+    from kvpolicy.language.models import LoadMode, Topology
+    from kvpolicy.planning.engine import plan_deployment
     from kvpolicy.runtime.striping import StorageMap, index_runs, plan_stripes
 
     policy = load_policy("default").model_copy(update={"load": LoadMode.STRIPED})
@@ -272,10 +272,10 @@ def engines(args: argparse.Namespace) -> dict[str, Any]:
     """Warm latency of two TP=2 engines, per-rank vs striped, driven in lockstep."""
     from bench_e2e import LEASE_TTL_MS, Engine, _engine_env, _prompts
 
+    from kvpolicy.documents.settings import KVPolicySettings
     from kvpolicy.harness.e2e import SegmentHolder, engine_env, engine_store_config
     from kvpolicy.harness.tinymodel import make_tiny_llama
     from kvpolicy.mooncake import MooncakeMaster
-    from kvpolicy.settings import KVPolicySettings
 
     results: dict[str, list[dict[str, Any]]] = {"per-rank": [], "striped": []}
     with tempfile.TemporaryDirectory(prefix="kvpolicy-bench-striped-") as directory:

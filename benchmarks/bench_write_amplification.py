@@ -59,10 +59,10 @@ from _common import DEFAULT_POLICIES, example_layouts, table
 def vllm_accepts(layout: object, tp_size: int, dcp_size: int) -> bool:
     """Whether the engine plans this topology (it refuses those vLLM refuses, e.g. DCP on GQA with
     no more TP ranks than KV heads); refused rows are left out of the table."""
-    from kvpolicy.diagnostics import PlanError
-    from kvpolicy.engine import make_plan
-    from kvpolicy.loader import load_policy
-    from kvpolicy.models import Topology
+    from kvpolicy.documents.loader import load_policy
+    from kvpolicy.language.diagnostics import PlanError
+    from kvpolicy.language.models import Topology
+    from kvpolicy.planning.engine import make_plan
 
     try:
         make_plan(load_policy("vllm-compat"), layout, Topology(tp_size=tp_size, dcp_size=dcp_size))  # type: ignore[arg-type]
@@ -95,7 +95,7 @@ def nas_like_layout() -> Any:
     heads; vLLM's ``get_total_num_kv_heads()`` returns the first block's. Where the blocks' per-rank
     heads differ (tp < 8) vLLM packs them into one ``UniformTypeKVCacheSpecs`` group, at tp 8 into one
     full-attention group: one group either way, which is all the factors read."""
-    from kvpolicy.models import Layout
+    from kvpolicy.language.models import Layout
 
     layers = [f"model.layers.{index}.self_attn.attn" for index in range(len(NAS_LIKE_HEADS))]
     model_wide = NAS_LIKE_HEADS[0]
@@ -120,7 +120,7 @@ def nas_like_layout() -> Any:
 
 def layouts_to_run(names: list[str] | None) -> list[tuple[str, Any]]:
     """The example layouts, then ``nas-like`` (built here); ``names`` keeps only those stems."""
-    from kvpolicy.loader import layouts_dir
+    from kvpolicy.documents.loader import layouts_dir
 
     built = {"nas-like": nas_like_layout}
     if not names:
@@ -157,14 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from kvpolicy.engine import make_plan
-    from kvpolicy.loader import load_policy
-    from kvpolicy.models import Topology
+    from kvpolicy.documents.loader import load_policy
+    from kvpolicy.language.models import Topology
     from kvpolicy.mooncake import MooncakeMaster
     from kvpolicy.mooncake.native_log import native_stderr_to
     from kvpolicy.mooncake.pool import ClientPool
+    from kvpolicy.planning.engine import make_plan
+    from kvpolicy.planning.store_layout import select_store_layout
     from kvpolicy.sim import archetype_from_layout, run_consistency
-    from kvpolicy.store_layout import select_store_layout
 
     policies = [load_policy(name) for name in args.policies]
     layouts = layouts_to_run(args.layouts)

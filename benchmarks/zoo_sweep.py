@@ -78,7 +78,7 @@ def classify(error: str, timed_out: bool) -> str:
 
 def report_of(text: str) -> Any:
     """A discovery report from the text an entry keeps."""
-    from kvpolicy.loader import load
+    from kvpolicy.documents.loader import load
 
     with tempfile.TemporaryDirectory(prefix="kvpolicy-zoo-report-") as directory:
         path = Path(directory) / "report.yaml"
@@ -89,9 +89,9 @@ def report_of(text: str) -> Any:
 def planned_objects(report: Any, prompt_tokens: int, *, prompts: int) -> int | str:
     """The objects ``default`` writes for *prompts* cold prompts of *prompt_tokens* tokens on the report's
     layout and topology (``kvpolicy plan --prompt-tokens``), or why it cannot say."""
-    from kvpolicy.engine import make_plan
-    from kvpolicy.loader import load_policy
-    from kvpolicy.traffic import prompt_traffic
+    from kvpolicy.documents.loader import load_policy
+    from kvpolicy.planning.engine import make_plan
+    from kvpolicy.planning.traffic import prompt_traffic
 
     try:
         plan = make_plan(load_policy("default"), report.layout, report.topology)

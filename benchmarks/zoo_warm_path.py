@@ -53,10 +53,10 @@ def compare_blocks(cold: Any, warm: Any) -> dict[str, Any]:
 
 
 def measure(architecture: str, tp_size: int, timeout: float) -> dict[str, Any]:
+    from kvpolicy.documents.settings import KVPolicySettings
     from kvpolicy.harness.e2e import EngineFailed, serve_once
     from kvpolicy.harness.zoo import shrink
     from kvpolicy.harness.zoo.observe import ZooStore, build, engine_options
-    from kvpolicy.settings import KVPolicySettings
 
     started = time.monotonic()
     copy = shrink(architecture)

@@ -2,7 +2,7 @@
 
 Routers rebuild store keys, so a change of the key recipe (template rendering, fingerprint inputs)
 must never land by accident. ``tests/core/test_golden_keys.py`` recomputes every case and compares;
-after a deliberate change, bump ``KEY_VERSION`` in ``kvpolicy/keys.py`` (and say what changed in
+after a deliberate change, bump ``KEY_VERSION`` in ``kvpolicy/language/keys.py`` (and say what changed in
 its docstring), then run ``python scripts/golden_keys.py --write`` to record the new version's keys.
 """
 
@@ -17,11 +17,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvpolicy.contract import key_contract  # noqa: E402
-from kvpolicy.engine import plan_deployment  # noqa: E402
-from kvpolicy.keys import KEY_VERSION  # noqa: E402
-from kvpolicy.loader import load_layout, load_policy, shipped_policy_names  # noqa: E402
-from kvpolicy.models import Topology  # noqa: E402
+from kvpolicy.documents.loader import load_layout, load_policy, shipped_policy_names  # noqa: E402
+from kvpolicy.language.keys import KEY_VERSION  # noqa: E402
+from kvpolicy.language.models import Topology  # noqa: E402
+from kvpolicy.planning.contract import key_contract  # noqa: E402
+from kvpolicy.planning.engine import plan_deployment  # noqa: E402
 
 LAYOUTS = ("deepseek-v3", "gpt-oss-120b", "kimi-linear-48b-a3b", "llama-3.1-70b", "nemotron-h-8b", "qwen3-next-80b-a3b")
 EXTRA_CASES: tuple[dict[str, Any], ...] = (

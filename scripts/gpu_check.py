@@ -338,8 +338,8 @@ def check_audit(device: Any) -> str:
     path reads the same bytes as the host path; discovery's per-layer digests cost one copy per group."""
     import torch
 
-    from kvpolicy.audit import relative_distance, value_comparison
     from kvpolicy.device.blocks import BlockReader, local_digests, local_layer_digests, local_samples
+    from kvpolicy.evidence.audit import relative_distance, value_comparison
 
     audited = {0: list(range(0, AUDIT_BLOCKS, 3))}
     lines = []

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpolicy import __version__, catalog, schema
+from kvpolicy import __version__
 from kvpolicy.app.archetypes import archetype_name, archetypes_help
 from kvpolicy.app.args import CommandParser
 from kvpolicy.app.diagnostic_formats import FORMATS, FileResult, Selection, parse_codes, render
@@ -24,10 +24,8 @@ from kvpolicy.app.discover import add_discover_parser
 from kvpolicy.app.rule import run_rule
 from kvpolicy.app.topology_flags import add_topology_flag, add_topology_flags, several_help, topology_from_args
 from kvpolicy.app.vllm_config import kv_transfer_config, policy_warnings
-from kvpolicy.contract import KeyContract, key_contract
-from kvpolicy.diagnostics import DocumentError, PlanError, printable_path
-from kvpolicy.engine import make_plan, plan_deployment
-from kvpolicy.loader import (
+from kvpolicy.documents import schema
+from kvpolicy.documents.loader import (
     check_file,
     declared_spec_classes,
     load_layout,
@@ -35,9 +33,7 @@ from kvpolicy.loader import (
     schemas_dir,
     shipped_policy_names,
 )
-from kvpolicy.models import KV_CACHE_LAYOUTS, Layout, Policy
-from kvpolicy.plan import Plan
-from kvpolicy.report import (
+from kvpolicy.documents.report import (
     format_explanation,
     format_key_contract,
     format_plan_table,
@@ -46,9 +42,15 @@ from kvpolicy.report import (
     traffic_to_json,
     versioned,
 )
-from kvpolicy.routers import RouterExportError, check_dynamo_descriptor, dynamo_descriptor, dynamo_refusals
-from kvpolicy.store_layout import StoreSelection
-from kvpolicy.traffic import prompt_traffic
+from kvpolicy.evidence.routers import RouterExportError, check_dynamo_descriptor, dynamo_descriptor, dynamo_refusals
+from kvpolicy.language import catalog
+from kvpolicy.language.diagnostics import DocumentError, PlanError, printable_path
+from kvpolicy.language.models import KV_CACHE_LAYOUTS, Layout, Policy
+from kvpolicy.planning.contract import KeyContract, key_contract
+from kvpolicy.planning.engine import make_plan, plan_deployment
+from kvpolicy.planning.plan import Plan
+from kvpolicy.planning.store_layout import StoreSelection
+from kvpolicy.planning.traffic import prompt_traffic
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -284,8 +286,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from kvpolicy.diff import compare_plans
-    from kvpolicy.loader import layouts_dir
+    from kvpolicy.documents.loader import layouts_dir
+    from kvpolicy.planning.diff import compare_plans
 
     old, new = load_policy(args.old), load_policy(args.new)
     names = args.layout or [path.stem for path in sorted(layouts_dir().glob("*.yaml"))]
@@ -314,7 +316,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _change_text(result: Any) -> str:
-    from kvpolicy.report import format_bytes
+    from kvpolicy.documents.report import format_bytes
 
     head = f"{result.layout} {result.topology}:"
     if isinstance(result.old, str) or isinstance(result.new, str):
@@ -417,7 +419,7 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _run_audit(args: argparse.Namespace, policy: Policy, layout: Layout | None) -> int:
-    from kvpolicy.audit import ReplicationAuditError
+    from kvpolicy.evidence.audit import ReplicationAuditError
     from kvpolicy.mooncake import MooncakeMaster
     from kvpolicy.mooncake.pool import ClientPool
     from kvpolicy.sim import archetype_from_layout, run_consistency

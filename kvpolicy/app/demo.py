@@ -16,13 +16,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvpolicy.engine import make_plan
-from kvpolicy.loader import check_file, layouts_dir, load_layout, load_policy, policies_dir
-from kvpolicy.models import Policy, Topology
+from kvpolicy.documents.loader import check_file, layouts_dir, load_layout, load_policy, policies_dir
+from kvpolicy.documents.report import format_plan_table
+from kvpolicy.documents.settings import KVPolicySettings
+from kvpolicy.language.models import Policy, Topology
 from kvpolicy.mooncake import MooncakeMaster
 from kvpolicy.mooncake.native_log import native_stderr_to
-from kvpolicy.report import format_plan_table
-from kvpolicy.settings import KVPolicySettings
+from kvpolicy.planning.engine import make_plan
 
 HYBRID_LAYOUT = "kimi-linear-48b-a3b"
 HYBRID_ARCHETYPE = "kimi-linear"

@@ -21,8 +21,8 @@ from typing import Any
 from urllib.parse import quote
 
 from kvpolicy import __version__
-from kvpolicy.diagnostics import CHECKS, CHECKS_BY_CODE, Diagnostic, printable_path
-from kvpolicy.report import versioned
+from kvpolicy.documents.report import versioned
+from kvpolicy.language.diagnostics import CHECKS, CHECKS_BY_CODE, Diagnostic, printable_path
 
 FORMATS = ("text", "json", "github", "sarif")
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"

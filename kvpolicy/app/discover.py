@@ -21,11 +21,11 @@ from pathlib import Path
 
 from kvpolicy.app.archetypes import archetype_name, archetypes_help
 from kvpolicy.app.topology_flags import add_topology_flag, several_help
-from kvpolicy.diagnostics import DocumentError, printable_path
-from kvpolicy.discovery import DiscoveryReport
-from kvpolicy.loader import load_layout, load_policy
-from kvpolicy.models import NAME_PATTERN
-from kvpolicy.propose import load_reports, propose
+from kvpolicy.documents.loader import load_layout, load_policy
+from kvpolicy.documents.propose import load_reports, propose
+from kvpolicy.evidence.discovery import DiscoveryReport
+from kvpolicy.language.diagnostics import DocumentError, printable_path
+from kvpolicy.language.models import NAME_PATTERN
 
 __all__ = ["add_discover_parser"]
 
@@ -134,11 +134,11 @@ def _run_observe(args: argparse.Namespace) -> int:
     refused at its line, naming the engine route); the layout planned at each TP size, as ``kvpolicy
     plan`` plans it (an expression that fails there is located in the layout's file). Exit 3 when a
     group of some report has no evidence (no block compared), as ``discover --check`` does."""
-    from kvpolicy.catalog import SPEC_CLASSES
-    from kvpolicy.engine import make_plan
-    from kvpolicy.loader import read_text, resolve_layout_path
-    from kvpolicy.models import Topology
-    from kvpolicy.yamlsource import parse
+    from kvpolicy.documents.loader import read_text, resolve_layout_path
+    from kvpolicy.language.catalog import SPEC_CLASSES
+    from kvpolicy.language.models import Topology
+    from kvpolicy.language.yamlsource import parse
+    from kvpolicy.planning.engine import make_plan
 
     layout = load_layout(args.layout) if args.layout is not None else None
     if layout is not None:
@@ -196,9 +196,9 @@ def _run_observe(args: argparse.Namespace) -> int:
 
 
 def _summary(report: DiscoveryReport, path: Path) -> bool:
-    """Print each group's observation (:func:`kvpolicy.propose.observation_summary`); whether every
+    """Print each group's observation (:func:`kvpolicy.documents.propose.observation_summary`); whether every
     layer had evidence."""
-    from kvpolicy.propose import observation_summary
+    from kvpolicy.documents.propose import observation_summary
 
     lines, every = observation_summary(report, printable_path(str(path)))
     for line in lines:
@@ -246,7 +246,7 @@ def _check(args: argparse.Namespace) -> int:
       replicated state that is sharded): a warm hit would load another rank's state.
 
     (2 stays argparse's: the command line is wrong.)"""
-    from kvpolicy.propose import check_policy
+    from kvpolicy.documents.propose import check_policy
 
     loaded, problems = load_reports(args.reports)
     try:

@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from kvpolicy.diagnostics import printable_path
+from kvpolicy.language.diagnostics import printable_path
 
 DEFAULT_OUT = Path("discovery")
 
@@ -59,9 +59,9 @@ def run_discover_model(args: argparse.Namespace) -> int:
 
 
 def _observe_model(source: str, tp_sizes: list[int], out: Path, *, check_warm: bool) -> int:
+    from kvpolicy.documents.propose import head_factor_of
     from kvpolicy.harness.zoo.observe import BuildError, ZooStore, check_policy, degenerate, observe_copy, summarize
     from kvpolicy.harness.zoo.shrink import SourceError, shrink, tp_refusal
-    from kvpolicy.propose import head_factor_of
 
     try:
         copy = shrink(source)

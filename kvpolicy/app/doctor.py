@@ -49,10 +49,10 @@ from pydantic import Field
 from kvpolicy.app.elf import DynamicSection, ElfError, cudart_majors, read_dynamic_file
 from kvpolicy.app.environment import environment
 from kvpolicy.app.vllm_config import kv_transfer_config, policy_warnings
-from kvpolicy.diagnostics import DocumentError, printable_path
-from kvpolicy.loader import FileRefused, read_regular_file
-from kvpolicy.models import DocumentVersion, StrictModel
-from kvpolicy.report import DOCUMENT_VERSIONS
+from kvpolicy.documents.loader import FileRefused, read_regular_file
+from kvpolicy.documents.report import DOCUMENT_VERSIONS
+from kvpolicy.language.diagnostics import DocumentError, printable_path
+from kvpolicy.language.models import DocumentVersion, StrictModel
 
 MOONCAKE_BUILDS: Mapping[int | None, str] = {
     None: "mooncake-transfer-engine-non-cuda",
@@ -123,7 +123,7 @@ class CheckResult(StrictModel):
 
 
 class DoctorReport(StrictModel):
-    """What ``kvpolicy doctor --format json`` prints (version: ``kvpolicy.report.DOCUMENT_VERSIONS``)."""
+    """What ``kvpolicy doctor --format json`` prints (version: ``kvpolicy.documents.report.DOCUMENT_VERSIONS``)."""
 
     version: DocumentVersion
     """Document format version."""

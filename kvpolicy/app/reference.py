@@ -5,7 +5,7 @@ NAME -->`` in a page under ``docs/``; ``docs/hooks.py`` calls :func:`expand` whi
 
 - ``policy-format`` / ``layout-format`` / ``discovery-format``: the documents' fields, from the JSON Schemas of the pydantic
   models (their attribute docstrings: the same text as ``schemas/``);
-- ``diagnostics``: every check of :mod:`kvpolicy.diagnostics` with its explanation and its example,
+- ``diagnostics``: every check of :mod:`kvpolicy.language.diagnostics` with its explanation and its example,
   run through the CLI (``kvpolicy rule CODE`` prints the same, :func:`rule_text`);
 - ``cli``: every command and flag, from the argparse parser of :mod:`kvpolicy.app.cli`;
 - ``settings``: the connector's ``kv_connector_extra_config`` keys, from :class:`KVPolicySettings`;
@@ -30,15 +30,15 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kvpolicy import schema
 from kvpolicy.app import rule
 from kvpolicy.app.cli import build_parser, main
 from kvpolicy.app.cli_examples import COMMAND_EXAMPLES
 from kvpolicy.app.rule import ExampleRun, diagnostic_page, shown_output
-from kvpolicy.diagnostics import CHECKS, Check, Example
-from kvpolicy.discovery import DiscoveryReport
-from kvpolicy.models import Layout, Policy
-from kvpolicy.settings import KVPolicySettings
+from kvpolicy.documents import schema
+from kvpolicy.documents.settings import KVPolicySettings
+from kvpolicy.evidence.discovery import DiscoveryReport
+from kvpolicy.language.diagnostics import CHECKS, Check, Example
+from kvpolicy.language.models import Layout, Policy
 
 MARKER = re.compile(r"<!-- kvpolicy-reference: ([a-z0-9-]+) -->")
 """Where a page wants a generated reference. Alone, the marker is replaced while the site builds; followed by

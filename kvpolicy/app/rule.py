@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpolicy.diagnostics import CHECKS, CHECKS_BY_CODE, CHECKS_BY_NAME, Check, Example
+from kvpolicy.language.diagnostics import CHECKS, CHECKS_BY_CODE, CHECKS_BY_NAME, Check, Example
 
 CommandLine = Callable[[Sequence[str]], int]
 """The ``kvpolicy`` command's entry point (:func:`kvpolicy.app.cli.main`): arguments in, exit code out."""

@@ -1,4 +1,4 @@
-"""The command line's topology flags, derived from :class:`~kvpolicy.models.Topology` (as vLLM derives
+"""The command line's topology flags, derived from :class:`~kvpolicy.language.models.Topology` (as vLLM derives
 its engine flags from its config classes): one flag per field, named for it (``tp_size`` → ``--tp``),
 its help the field's docstring, its default and bounds the field's, so a field added to the model,
 or a bound changed, reaches every command without restating it here."""
@@ -12,8 +12,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from kvpolicy.diagnostics import PlanError, PlanProblem
-from kvpolicy.models import Topology
+from kvpolicy.language.diagnostics import PlanError, PlanProblem
+from kvpolicy.language.models import Topology
 
 __all__ = [
     "TOPOLOGY_FLAGS", "TopologyFlag", "add_topology_flag", "add_topology_flags", "flags_of", "several_help", "topology_from_args",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpolicy.diagnostics import Diagnostic
-from kvpolicy.loader import check_file, load_policy, resolve_policy_path
-from kvpolicy.settings import KVPolicySettings, PolicySelection
+from kvpolicy.documents.loader import check_file, load_policy, resolve_policy_path
+from kvpolicy.documents.settings import KVPolicySettings, PolicySelection
+from kvpolicy.language.diagnostics import Diagnostic
 
 
 def kv_transfer_config(policy: str, *, role: str = "kv_both", strict: bool = False) -> dict[str, Any]:

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from kvpolicy.audit import DEFAULT_COMPARISON, Digest, ValueComparison, digest_blocks
 from kvpolicy.device.storages import KVStorages
+from kvpolicy.evidence.audit import DEFAULT_COMPARISON, Digest, ValueComparison, digest_blocks
 from kvpolicy.runtime.ports import TokenDatabase
 
 __all__ = ["SAMPLE_VALUES", "BlockReader", "block_regions", "local_digests", "local_layer_digests",
@@ -209,7 +209,7 @@ def local_samples(
 ) -> dict[int, bytes]:
     """This rank's sampled values of ``blocks`` for ``groups``, as float32 bytes: every
     ``ceil(n / limit)``-th value, so every rank of a group samples the same positions. Each group's
-    bytes are read as its :class:`~kvpolicy.audit.ValueComparison`'s ``element`` type
+    bytes are read as its :class:`~kvpolicy.evidence.audit.ValueComparison`'s ``element`` type
     (``comparisons``, from :func:`value_comparisons`); a group compared by exact digests only has
     no values to sample, and asking for it is an error."""
     samples: dict[int, bytes] = {}
@@ -225,7 +225,7 @@ def local_samples(
 
 
 def tensor_distance(a: Sequence[float], b: Sequence[float]) -> float:
-    """:func:`kvpolicy.audit.relative_distance`, vectorised with torch (float64)."""
+    """:func:`kvpolicy.evidence.audit.relative_distance`, vectorised with torch (float64)."""
     if len(a) != len(b):
         return math.inf
     if not len(a):

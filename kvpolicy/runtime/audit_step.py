@@ -3,7 +3,7 @@ every rank draws alike from what all sent (pure: the collective is a callable, t
 sampled values is injected — :func:`kvpolicy.device.blocks.tensor_distance` on an engine).
 
 Every TP rank must make the same collective calls in the same steps: whether a step is audited
-depends only on the connector metadata and the :class:`~kvpolicy.audit.AuditState`, both identical on
+depends only on the connector metadata and the :class:`~kvpolicy.evidence.audit.AuditState`, both identical on
 every rank; whether the second gather happens is decided from the first gather's result, which every
 rank holds identically, and from the value comparisons, a function of the configuration.
 """
@@ -14,7 +14,14 @@ from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvpolicy.audit import AuditState, Digest, StepOutcome, ValueComparison, distances_to_reference, relative_distance
+from kvpolicy.evidence.audit import (
+    AuditState,
+    Digest,
+    StepOutcome,
+    ValueComparison,
+    distances_to_reference,
+    relative_distance,
+)
 
 __all__ = ["Report", "Samples", "conclude_step", "decode_report", "decode_samples", "encode_report"]
 
@@ -61,11 +68,11 @@ def conclude_step(
     ``collect_reports()`` returns every TP rank's :data:`Report` (the connector: one gather over
     the TP group); when some replica set's digests differ, ``collect_samples(groups)``
     returns every rank's :data:`Samples` for those groups (a second gather), so that rounding
-    differences (:func:`kvpolicy.audit.rounding_tolerance`) are not mistaken for a wrong rule.
+    differences (:func:`kvpolicy.evidence.audit.rounding_tolerance`) are not mistaken for a wrong rule.
     ``comparisons`` (the adapter's ``value_comparisons``) gives each group's tolerance; groups compared by
     exact digests only are never sampled; ``distance`` compares two ranks' samples. Whether the second gather happens is decided from the
     first one's result and the configuration, which every rank holds identically. Raises
-    :class:`~kvpolicy.audit.ReplicationAuditError` under ``enforce``.
+    :class:`~kvpolicy.evidence.audit.ReplicationAuditError` under ``enforce``.
     """
     reports = [decode_report(report) for report in collect_reports()]
     need = state.groups_needing_values(reports, comparisons)

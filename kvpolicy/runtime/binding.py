@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvpolicy.keys import split_chunk_key
-from kvpolicy.models import LoadMode, Schedule
-from kvpolicy.plan import GroupPlan, Plan
+from kvpolicy.language.keys import split_chunk_key
+from kvpolicy.language.models import LoadMode, Schedule
+from kvpolicy.planning.plan import GroupPlan, Plan
 
 __all__ = [
     "RankBinding",

@@ -2,7 +2,7 @@
 
 Every TP rank holds a :class:`RankDiscovery`. For the first ``steps`` save steps that save blocks, each
 rank digests what it saves, per group, layer and block (the caller's ``collect``), and the ranks gather
-the digests; rank 0 folds them into its :class:`~kvpolicy.discovery.Observer` and rewrites the report
+the digests; rank 0 folds them into its :class:`~kvpolicy.evidence.discovery.Observer` and rewrites the report
 file after steps 1, 2, 4, 8 ... and the last. Whether a step is observed depends on the step's blocks
 (from the connector metadata, the same on every rank) and on the count of steps observed so far (the
 same on every rank), never on anything rank-local: every rank makes the same gathers. A rank that cannot read its blocks still joins the
@@ -18,10 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from kvpolicy.diagnostics import printable_path
-from kvpolicy.discovery import BlockDigest, DiscoveryReport, Observer, RankObservation, dump_report, group_layers
-from kvpolicy.loader import schemas_dir
-from kvpolicy.models import Layout, Topology
+from kvpolicy.documents.loader import schemas_dir
+from kvpolicy.evidence.discovery import (
+    BlockDigest,
+    DiscoveryReport,
+    Observer,
+    RankObservation,
+    dump_report,
+    group_layers,
+)
+from kvpolicy.language.diagnostics import printable_path
+from kvpolicy.language.models import Layout, Topology
 from kvpolicy.runtime.policy import write_side_file
 
 logger = logging.getLogger(f"vllm.{__name__}")

@@ -4,11 +4,11 @@ the collective are the :mod:`kvpolicy.runtime.ports`).
 
 * :class:`LookupGate`: before an instance has verified a replicated group itself, a lookup may use
   the group's shared namespace only when another instance running the same plan left an
-  :func:`~kvpolicy.audit.agreement_key` there. Without it, the first request of a fresh instance
+  :func:`~kvpolicy.evidence.audit.agreement_key` there. Without it, the first request of a fresh instance
   could load objects a trusting (``audit: off``) instance wrote under a wrong rule before this
   instance's audit ever ran.
 * :func:`write_demotions` / :func:`read_demotions` / :func:`agree_on_demotions`: a demotion is
-  published under :func:`~kvpolicy.audit.demotion_key` of the instance's initial plan, and a fresh
+  published under :func:`~kvpolicy.evidence.audit.demotion_key` of the instance's initial plan, and a fresh
   instance of that plan reads those markers at start-up, agrees on them over the TP group and
   starts demoted, so it hits the fallback's objects at once instead of missing until its own audit
   demotes again. Published demotions are rank-local reads (a store error, or a marker written between
@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
-from kvpolicy.audit import (
+from kvpolicy.evidence.audit import (
     DEMOTION_MESSAGE_LIMIT,
     UNTRUSTED,
     AuditState,
@@ -29,7 +29,7 @@ from kvpolicy.audit import (
     demotion_key,
     vouching_replicas,
 )
-from kvpolicy.plan import Plan
+from kvpolicy.planning.plan import Plan
 from kvpolicy.runtime.ports import Gather, KVStore
 
 # Under "vllm." so records reach vLLM's own handler when it runs in vLLM (it configures that tree only).
@@ -81,7 +81,7 @@ class LookupGate:
     def required(self, state: AuditState) -> list[tuple[str, ...]]:
         """What a lookup still needs under ``state``'s current plan: per (group, pcp, pp) namespace not
         yet vouched for, the agreement markers any one of which would vouch for it (replica sets of
-        the group's factor or a multiple of it, :func:`~kvpolicy.audit.vouching_replicas`)."""
+        the group's factor or a multiple of it, :func:`~kvpolicy.evidence.audit.vouching_replicas`)."""
         plan = state.plan
         topology = plan.topology
         needed: list[tuple[str, ...]] = []

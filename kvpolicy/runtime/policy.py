@@ -26,23 +26,25 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.audit import AuditState, AuditStatus, ReplicationAuditError, StepOutcome, ValueComparison
-from kvpolicy.contract import KeyContract, key_contract
-from kvpolicy.diagnostics import printable_path
-from kvpolicy.dumper import dump_layout
-from kvpolicy.engine import make_plan
-from kvpolicy.keys import KeyContext
-from kvpolicy.loader import file_kind, schemas_dir
-from kvpolicy.models import Layout, Policy, Topology
-from kvpolicy.plan import Plan
-from kvpolicy.report import format_plan_table, plan_to_json
-from kvpolicy.routers import (
+from kvpolicy.documents.loader import file_kind, schemas_dir
+from kvpolicy.documents.report import format_plan_table, plan_to_json
+from kvpolicy.documents.settings import DEFAULT_READ_FAILURE_TTL_S, KVPolicySettings
+from kvpolicy.evidence.audit import AuditState, AuditStatus, ReplicationAuditError, StepOutcome, ValueComparison
+from kvpolicy.evidence.routers import (
     DynamoDeployment,
     RouterExportError,
     check_dynamo_descriptor,
     dynamo_descriptor,
     dynamo_refusals,
 )
+from kvpolicy.language.diagnostics import printable_path
+from kvpolicy.language.dumper import dump_layout
+from kvpolicy.language.keys import KeyContext
+from kvpolicy.language.models import Layout, Policy, Topology
+from kvpolicy.planning.contract import KeyContract, key_contract
+from kvpolicy.planning.engine import make_plan
+from kvpolicy.planning.plan import Plan
+from kvpolicy.planning.store_layout import StoreSharding
 from kvpolicy.runtime.audit_step import Report, Samples, conclude_step
 from kvpolicy.runtime.binding import RankBinding, RankPlace
 from kvpolicy.runtime.markers import (
@@ -56,8 +58,6 @@ from kvpolicy.runtime.markers import (
 from kvpolicy.runtime.ports import Clock, Gather, KVStore
 from kvpolicy.runtime.read_failures import ReadFailures
 from kvpolicy.runtime.tally import Tally
-from kvpolicy.settings import DEFAULT_READ_FAILURE_TTL_S, KVPolicySettings
-from kvpolicy.store_layout import StoreSharding
 
 # Under "vllm." so records reach vLLM's own handler when it runs in vLLM (it configures that tree only).
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -302,7 +302,7 @@ class RankPolicy:
     def start(self, declared: Plan, replan: Callable[[frozenset[int]], Plan], *, layout: Layout | None = None) -> Plan:
         """Start running ``declared`` (``replan(demoted)`` makes it again with groups at factor 1):
         demoted already where another instance of ``declared`` published a demotion
-        (:func:`kvpolicy.audit.demotion_key`), so that it loads the fallback's objects from its first
+        (:func:`kvpolicy.evidence.audit.demotion_key`), so that it loads the fallback's objects from its first
         lookup. Returns the plan to run.
 
         The plan returned is bound (:attr:`binding`). Every TP rank reads the markers of its (pcp, pp)
@@ -310,7 +310,7 @@ class RankPolicy:
         (:func:`~kvpolicy.runtime.markers.agree_on_demotions`): a rank that alone saw a marker would
         otherwise skip audited steps the others make, and hang them in the collective. Whether the
         ranks gather at all depends on the plan only. ``layout`` is what the key contract is written
-        from. Raises :class:`~kvpolicy.audit.ReplicationAuditError` under ``enforce`` when a demotion
+        from. Raises :class:`~kvpolicy.evidence.audit.ReplicationAuditError` under ``enforce`` when a demotion
         was inherited."""
         plan = self._start(declared, replan, layout)
         self.binding = RankBinding.of(plan, self.place, self._prefix_cacheable)
@@ -444,7 +444,7 @@ class RankPolicy:
         transfers and writes it into vLLM), and becomes :attr:`binding` once that returns. Then, on
         the rank that speaks for its stage: the demotion published first, the log,
         the agreement markers, the tally, the status documents. Raises
-        :class:`~kvpolicy.audit.ReplicationAuditError` under ``enforce``, after logging and counting it."""
+        :class:`~kvpolicy.evidence.audit.ReplicationAuditError` under ``enforce``, after logging and counting it."""
         state = self._require_audit()
         started = time.perf_counter()
         kwargs = {} if distance is None else {"distance": distance}

@@ -22,8 +22,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvpolicy.documents.settings import DEFAULT_READ_FAILURE_TTL_S
 from kvpolicy.runtime.ports import Clock, ReadStore
-from kvpolicy.settings import DEFAULT_READ_FAILURE_TTL_S
 
 __all__ = ["DEFAULT_LIMIT", "ReadFailures", "RecordingReadStore"]
 

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Sequence
 from typing import TypedDict
 
-from kvpolicy.plan import Plan
+from kvpolicy.planning.plan import Plan
 
 __all__ = ["GROUP_COUNTERS", "Tally", "TallyData", "empty_tally", "plan_info"]
 

@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvpolicy.models import Layout, Spec, SpecValues
+from kvpolicy.language.models import Layout, Spec, SpecValues
 
 __all__ = [
     "ARCHETYPES",

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from kvpolicy.keys import split_chunk_key
-from kvpolicy.models import Audit, AuditMode, Policy
+from kvpolicy.language.keys import split_chunk_key
+from kvpolicy.language.models import Audit, AuditMode, Policy
 from kvpolicy.mooncake.master import MooncakeMaster
 from kvpolicy.mooncake.metrics import MasterCounters, delta, read_metrics
 from kvpolicy.mooncake.pool import ClientPool
-from kvpolicy.plan import Plan
+from kvpolicy.planning.plan import Plan
 from kvpolicy.sim.archetypes import BLOCK_SIZE, Archetype, get_archetype
 from kvpolicy.sim.fleet import Fleet
 from kvpolicy.sim.instance import Instance, LoadVerdict
@@ -66,7 +66,7 @@ class GroupOutcome:
     """(rank, block) pairs compared after the load; 0 when nothing was loaded."""
     audit: str = "-"
     """The replication audit's status for the group after the cold instance's audited save (a
-    :class:`kvpolicy.audit.AuditStatus` value: ``agreed``, ``demoted``, ``pending`` …); ``-`` for a
+    :class:`kvpolicy.evidence.audit.AuditStatus` value: ``agreed``, ``demoted``, ``pending`` …); ``-`` for a
     group with factor 1, ``off`` when the run did not audit."""
     audit_message: str = ""
     """For a demoted group: the error the connector's rank 0 logs (group, rule ``file:line``, ranks)."""
@@ -157,7 +157,7 @@ def run_consistency(
     ``clients`` lends the store clients (:class:`~kvpolicy.mooncake.pool.ClientPool`); without it the
     run opens ``2 * tp_size`` fresh clients and closes them at the end (1–2 s each). ``save=False``
     skips the cold save, so the warm lookup meets a store without this prompt. ``audit``: see
-    :func:`audited_policy`; ``enforce`` raises :class:`kvpolicy.audit.ReplicationAuditError` from the
+    :func:`audited_policy`; ``enforce`` raises :class:`kvpolicy.evidence.audit.ReplicationAuditError` from the
     cold save, as it stops an engine. ``dcp_size`` > 1 runs decode-context parallelism;
     ``extra_config`` (e.g. ``store_tp_size``) and ``kv_cache_layout`` configure both instances
     (:meth:`kvpolicy.sim.Fleet.instance`).

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvpolicy.discovery import DiscoveryReport, dump_report
-from kvpolicy.loader import load, load_policy, schemas_dir
+from kvpolicy.documents.loader import load, load_policy, schemas_dir
+from kvpolicy.evidence.discovery import DiscoveryReport, dump_report
 from kvpolicy.mooncake.master import MooncakeMaster
 from kvpolicy.mooncake.pool import ClientPool
 from kvpolicy.runtime.policy import write_text_atomically

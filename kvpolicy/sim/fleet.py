@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvpolicy.models import Policy
+from kvpolicy.language.models import Policy
 from kvpolicy.mooncake.master import MooncakeMaster
 from kvpolicy.mooncake.pool import ClientPool
 from kvpolicy.sim.archetypes import BLOCK_SIZE, Archetype, get_archetype

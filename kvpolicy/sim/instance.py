@@ -29,10 +29,10 @@ from typing import Any, Protocol, TypeVar
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import MooncakeLookupResult
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
-from kvpolicy.audit import AuditState
-from kvpolicy.keys import chunk_key
-from kvpolicy.models import Policy
-from kvpolicy.plan import Plan
+from kvpolicy.evidence.audit import AuditState
+from kvpolicy.language.keys import chunk_key
+from kvpolicy.language.models import Policy
+from kvpolicy.planning.plan import Plan
 from kvpolicy.runtime.collective import ThreadExchange
 from kvpolicy.sim import content, scheduler
 from kvpolicy.sim.collective import ThreadGather

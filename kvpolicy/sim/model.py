@@ -20,7 +20,7 @@ except ImportError:  # vLLM 0.32
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 
-from kvpolicy.models import Layout
+from kvpolicy.language.models import Layout
 from kvpolicy.sim.archetypes import BLOCK_SIZE, Archetype, get_archetype, group_true_factor
 from kvpolicy.vllm.layout import layout_from_kv_cache_config
 

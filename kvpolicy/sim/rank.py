@@ -12,7 +12,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import MooncakeStoreWorker
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvpolicy.models import Policy
+from kvpolicy.language.models import Policy
 from kvpolicy.runtime.binding import RankPlace
 from kvpolicy.runtime.ports import PeerExchange
 from kvpolicy.sim.model import SimulatedModel

@@ -3,7 +3,7 @@ are, and one rank's part in an audited step's collectives.
 
 What an audited step concludes and what follows from it (re-plan, markers, the lookup gate, status
 documents) is :class:`kvpolicy.runtime.policy.RankPolicy`, without vLLM; the digests, verdicts and
-:class:`~kvpolicy.audit.AuditState` are :mod:`kvpolicy.audit`; reading blocks out of the KV tensors is
+:class:`~kvpolicy.evidence.audit.AuditState` are :mod:`kvpolicy.evidence.audit`; reading blocks out of the KV tensors is
 :mod:`kvpolicy.device.blocks`. Here, what needs vLLM's objects:
 
 * :func:`blocks_to_audit` picks, from the connector metadata alone, the blocks of each audited group
@@ -11,16 +11,16 @@ documents) is :class:`kvpolicy.runtime.policy.RankPolicy`, without vLLM; the dig
   so every rank picks the same block ids, and every rank decides the same way whether this step
   is audited at all — the decision that must never differ between ranks (see "Deadlocks" below).
 * :func:`value_comparisons` says, per group, what number type the values are
-  (:class:`~kvpolicy.audit.ValueComparison`): vLLM allocates fp8 KV caches (``fp8``, ``fp8_e4m3``,
+  (:class:`~kvpolicy.evidence.audit.ValueComparison`): vLLM allocates fp8 KV caches (``fp8``, ``fp8_e4m3``,
   ``fp8_e5m2``) as ``uint8`` tensors, so the tensor's dtype is not the values' type. vLLM's own
   answer (:func:`fp8_element_type`) names the fp8 type, and the values are compared in it, within one
-  unit in the last place (:func:`kvpolicy.audit.rounding_tolerance`). Caches that keep scales inside
+  unit in the last place (:func:`kvpolicy.evidence.audit.rounding_tolerance`). Caches that keep scales inside
   their blocks, or hold any other codes, are compared by exact digests only.
 * :func:`step_collectors` is one rank's part in the step's collectives (:func:`gather_over_tp`:
   ``all_gather_object`` over the TP group's gloo group): first every rank's digests, then, where a
   replica set's digests differ, an evenly strided sample of each rank's values
   (:data:`~kvpolicy.device.blocks.SAMPLE_VALUES`), compared with
-  :data:`kvpolicy.audit.REPLICA_TOLERANCE` (vLLM's CPU all-reduce at TP=4 sums in a rank-dependent
+  :data:`kvpolicy.evidence.audit.REPLICA_TOLERANCE` (vLLM's CPU all-reduce at TP=4 sums in a rank-dependent
   order, so replicas may differ in the last bits).
 * :func:`record_stats` records an audited step in vLLM's connector stats.
 
@@ -31,7 +31,7 @@ after the policy's ``audit.steps``. The last blocks are the ones this step compu
 
 **Deadlocks.** Every TP rank must make the same collective calls in the same steps. Whether a
 step is audited depends only on (a) the connector metadata, identical on all ranks, and (b) the
-:class:`~kvpolicy.audit.AuditState`, which changes only from the gathered digests of *all* ranks,
+:class:`~kvpolicy.evidence.audit.AuditState`, which changes only from the gathered digests of *all* ranks,
 so it is identical on all ranks too. Nothing rank-local feeds the decision: not the put schedule,
 not whether a digest succeeded (a rank that fails to digest still joins the collective and reports
 ``None``; then nobody judges that step), not the lookup gate, not the rank (rank 0 alone logs, writes
@@ -58,8 +58,8 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec, KVQuantMode, UniformTypeKVCacheSpecs
 
-from kvpolicy.audit import DEFAULT_COMPARISON, ValueComparison, value_comparison
 from kvpolicy.device.blocks import BlockReader, local_digests, local_layer_digests, local_samples
+from kvpolicy.evidence.audit import DEFAULT_COMPARISON, ValueComparison, value_comparison
 from kvpolicy.runtime.audit_step import Report, Samples, encode_report
 from kvpolicy.runtime.discovery import RankDiscovery
 from kvpolicy.runtime.ports import Gather

@@ -10,12 +10,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvpolicy.diagnostics import Diagnostic
-from kvpolicy.models import Policy
-from kvpolicy.routers import DynamoDeployment, DynamoHashContract
+from kvpolicy.documents.settings import KVPolicySettings, SettingsError
+from kvpolicy.evidence.routers import DynamoDeployment, DynamoHashContract
+from kvpolicy.language.diagnostics import Diagnostic
+from kvpolicy.language.models import Policy
+from kvpolicy.planning.store_layout import StoreSharding
 from kvpolicy.runtime.ports import Gather, PeerExchange
-from kvpolicy.settings import KVPolicySettings, SettingsError
-from kvpolicy.store_layout import StoreSharding
 
 if TYPE_CHECKING:
     from vllm.config import CacheConfig, ModelConfig

@@ -6,7 +6,7 @@ Configure it with::
      "kv_role": "kv_both", "kv_connector_extra_config": {"kvpolicy": "default"}}
 
 ``kvpolicy`` is a shipped policy name, a policy file path, or ``{"policy": <name or path>,
-"strict": <bool>}``; the other ``kvpolicy*`` keys are :class:`kvpolicy.settings.KVPolicySettings`.
+"strict": <bool>}``; the other ``kvpolicy*`` keys are :class:`kvpolicy.documents.settings.KVPolicySettings`.
 The policy is loaded and validated first, in both roles, so a bad policy stops start-up with the
 validator's located messages before any store connection is made.
 """
@@ -36,11 +36,11 @@ from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from kvpolicy.diagnostics import DocumentError  # noqa: E402
-from kvpolicy.loader import load_policy  # noqa: E402
-from kvpolicy.models import Policy  # noqa: E402
-from kvpolicy.plan import Plan  # noqa: E402
-from kvpolicy.settings import EXTRA_CONFIG, KVPolicySettings, policy_usage  # noqa: E402
+from kvpolicy.documents.loader import load_policy  # noqa: E402
+from kvpolicy.documents.settings import EXTRA_CONFIG, KVPolicySettings, policy_usage  # noqa: E402
+from kvpolicy.language.diagnostics import DocumentError  # noqa: E402
+from kvpolicy.language.models import Policy  # noqa: E402
+from kvpolicy.planning.plan import Plan  # noqa: E402
 from kvpolicy.vllm import internals  # noqa: E402
 from kvpolicy.vllm.config import KVPolicyConfigError, parse_settings  # noqa: E402
 from kvpolicy.vllm.metrics import KVPolicyConnectorStats, KVPolicyPromMetrics  # noqa: E402

@@ -480,7 +480,7 @@ def init_standalone(
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import MooncakeStoreConnectorStats
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
-    from kvpolicy.keys import model_basename
+    from kvpolicy.language.keys import model_basename
 
     worker.dp_rank = place.dp_rank
     worker.tp_rank = place.tp_rank

@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvpolicy.models import Group, LayerHeads, LayerSpecs, Layout, Spec
+from kvpolicy.language.models import Group, LayerHeads, LayerSpecs, Layout, Spec
 from kvpolicy.vllm import internals
 
 _OMITTED_FIELDS = ("block_size",)  # a top-level key of every Spec document

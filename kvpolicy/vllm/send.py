@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import Req
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import KVCacheStoreSendingThread
 from vllm.logger import init_logger
 
-from kvpolicy.keys import split_chunk_key
+from kvpolicy.language.keys import split_chunk_key
 from kvpolicy.runtime.ports import SendStore
 from kvpolicy.vllm import internals
 

@@ -1,4 +1,4 @@
-"""The one place a :class:`~kvpolicy.plan.Plan` becomes vLLM Mooncake-store objects.
+"""The one place a :class:`~kvpolicy.planning.plan.Plan` becomes vLLM Mooncake-store objects.
 
 :class:`kvpolicy.vllm.worker.KVPolicyStoreWorker` builds its token databases, put schedules and
 lookup prefixes here, on an engine and in the simulation alike.
@@ -23,8 +23,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
 )
 from vllm.v1.core.kv_cache_utils import BlockHash
 
-from kvpolicy.keys import chunk_key
-from kvpolicy.plan import Plan
+from kvpolicy.language.keys import chunk_key
+from kvpolicy.planning.plan import Plan
 from kvpolicy.runtime.binding import RankBinding
 
 __all__ = [
@@ -81,7 +81,7 @@ class PlanStoreLayout(RankLocalStoreLayout):
 
 class PlanShardedStoreLayout(TPShardedStoreLayout):
     """vLLM's TP-sharded payload layout (one object per store shard of heads), with the key of every
-    store shard and the lookup set taken from a plan made with that :class:`~kvpolicy.store_layout.StoreSharding`.
+    store shard and the lookup set taken from a plan made with that :class:`~kvpolicy.planning.store_layout.StoreSharding`.
 
     Payload addressing is upstream's (:class:`PlanLBHNCStoreLayout`, :class:`PlanLBNHCStoreLayout`
     mix this into ``LBHNCStoreLayout`` / ``LBNHCStoreLayout``); the store shards a rank owns must be

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from kvpolicy.device.striped import KVStorages, StripedReadStore, torchcomms_enabled
+from kvpolicy.documents.settings import KVPolicySettings
 from kvpolicy.runtime.policy import RankPolicy
 from kvpolicy.runtime.ports import PeerExchange, ReadStore, SendStore
 from kvpolicy.runtime.read_failures import RecordingReadStore
-from kvpolicy.settings import KVPolicySettings
 from kvpolicy.vllm import internals
 from kvpolicy.vllm.internals import StoreWorker
 from kvpolicy.vllm.metrics import CountingStore

@@ -21,17 +21,17 @@ from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import BlockHash
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from kvpolicy.audit import AuditState, ReplicationAuditError
 from kvpolicy.device.blocks import tensor_distance
-from kvpolicy.keys import KeyContext, model_basename
-from kvpolicy.models import Policy, Topology
-from kvpolicy.plan import Plan
+from kvpolicy.documents.settings import KVPolicySettings
+from kvpolicy.evidence.audit import AuditState, ReplicationAuditError
+from kvpolicy.language.keys import KeyContext, model_basename
+from kvpolicy.language.models import Policy, Topology
+from kvpolicy.planning.plan import Plan
+from kvpolicy.planning.store_layout import StoreSharding
 from kvpolicy.runtime.binding import RankBinding, RankPlace
 from kvpolicy.runtime.discovery import RankDiscovery
 from kvpolicy.runtime.policy import RankPolicy, capture_layout, plan_and_replan
 from kvpolicy.runtime.ports import Gather, KVStore, PeerExchange
-from kvpolicy.settings import KVPolicySettings
-from kvpolicy.store_layout import StoreSharding
 from kvpolicy.vllm import audit, internals, store
 from kvpolicy.vllm.config import StoreTarget, WorkerSetup, dynamo_deployment, parse_settings
 from kvpolicy.vllm.layout import layout_from_kv_cache_config

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from kvpolicy.app.cli import main
-from kvpolicy.diagnostics import CHECKS, CHECKS_BY_CODE
+from kvpolicy.language.diagnostics import CHECKS, CHECKS_BY_CODE
 
 WARNS = """\
 version: 1
@@ -194,7 +194,7 @@ def test_github_format_annotates_each_line_with_escaped_fields(files: dict[str, 
 
 def test_github_format_escapes_what_would_end_a_property() -> None:
     from kvpolicy.app.diagnostic_formats import github_command
-    from kvpolicy.diagnostics import Diagnostic
+    from kvpolicy.language.diagnostics import Diagnostic
 
     command = github_command(Diagnostic("a,b:c.yaml", 1, 2, "warning", "50% done", "KVP203"))
     assert command == "::warning file=a%2Cb%3Ac.yaml,line=1,col=2,title=KVP203 unreachable-rule::50%25 done"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvpolicy.app.cli import main
-from kvpolicy.loader import layouts_dir, policies_dir
+from kvpolicy.documents.loader import layouts_dir, policies_dir
 
 DEFAULT_TEXT = (policies_dir() / "default.yaml").read_text(encoding="utf-8")
 EVERY_PLAN = len(list(layouts_dir().glob("*.yaml"))) * len((1, 2, 4, 8))

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from kvpolicy.app.cli import main
-from kvpolicy.discovery import Observer, dump_report, group_layers
-from kvpolicy.loader import check_text, load_layout
-from kvpolicy.models import Layout, Topology
-from kvpolicy.propose import load_reports, observation_summary
+from kvpolicy.documents.loader import check_text, load_layout
+from kvpolicy.documents.propose import load_reports, observation_summary
+from kvpolicy.evidence.discovery import Observer, dump_report, group_layers
+from kvpolicy.language.models import Layout, Topology
 
 REPO = Path(__file__).resolve().parents[2]
 WRONG = REPO / "examples" / "policies" / "wrong-recurrent-replicated.yaml"

@@ -44,8 +44,8 @@ from kvpolicy.app.doctor import (
     wrong_build,
 )
 from kvpolicy.app.elf import read_dynamic_file
-from kvpolicy.loader import check_file
-from kvpolicy.report import DOCUMENT_VERSIONS
+from kvpolicy.documents.loader import check_file
+from kvpolicy.documents.report import DOCUMENT_VERSIONS
 from kvpolicy.vllm.version import SUPPORTED_SERIES, supported_range
 
 REPO = Path(__file__).resolve().parents[2]

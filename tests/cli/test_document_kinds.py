@@ -15,8 +15,8 @@ from pydantic import BaseModel
 
 from kvpolicy.app.cli import build_parser, main
 from kvpolicy.app.doctor import DoctorReport
-from kvpolicy.contract import KeyContract
-from kvpolicy.report import DOCUMENT_VERSIONS
+from kvpolicy.documents.report import DOCUMENT_VERSIONS
+from kvpolicy.planning.contract import KeyContract
 
 REPO = Path(__file__).resolve().parents[2]
 PLAN = ["--policy", "default", "--layout", "deepseek-v3", "--tp", "2", "--format", "json"]

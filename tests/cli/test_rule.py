@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvpolicy.app.cli import main
-from kvpolicy.diagnostics import CHECKS
+from kvpolicy.language.diagnostics import CHECKS
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -12,7 +12,7 @@ from pydantic import Field
 
 from kvpolicy.app.cli import build_parser, main
 from kvpolicy.app.topology_flags import flags_of, topology_from_args
-from kvpolicy.models import Topology
+from kvpolicy.language.models import Topology
 
 PLAN = ["--policy", "default", "--layout", "deepseek-v3"]
 WITH_EVERY_FIELD = ("plan", "explain", "keys")

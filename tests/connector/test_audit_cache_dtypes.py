@@ -29,7 +29,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     get_kv_quant_mode,
 )
 
-from kvpolicy.audit import (  # noqa: E402
+from kvpolicy.evidence.audit import (  # noqa: E402
     FLOAT_MANTISSA_BITS,
     REPLICA_TOLERANCE,
     ValueComparison,

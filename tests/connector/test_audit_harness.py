@@ -31,7 +31,9 @@ import torch  # noqa: E402
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, get_kv_quant_mode  # noqa: E402
 
-from kvpolicy.audit import (  # noqa: E402
+from kvpolicy.device.blocks import BlockReader, tensor_distance  # noqa: E402
+from kvpolicy.documents.loader import load_layout, load_policy  # noqa: E402
+from kvpolicy.evidence.audit import (  # noqa: E402
     DEMOTION_MESSAGE_LIMIT,
     FLOAT_MANTISSA_BITS,
     AuditState,
@@ -43,12 +45,10 @@ from kvpolicy.audit import (  # noqa: E402
     relative_distance,
     rounding_tolerance,
 )
-from kvpolicy.device.blocks import BlockReader, tensor_distance  # noqa: E402
-from kvpolicy.engine import make_plan  # noqa: E402
-from kvpolicy.loader import load_layout, load_policy  # noqa: E402
-from kvpolicy.models import Audit, AuditMode, Policy, Topology  # noqa: E402
+from kvpolicy.language.models import Audit, AuditMode, Policy, Topology  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
+from kvpolicy.planning.engine import make_plan  # noqa: E402
 from kvpolicy.runtime import markers  # noqa: E402
 from kvpolicy.runtime.policy import status_document  # noqa: E402
 from kvpolicy.sim import (  # noqa: E402
@@ -608,7 +608,7 @@ def test_a_layer_with_states_of_several_dtypes_is_read_per_state() -> None:
 def test_the_vectorised_distance_is_the_pure_one() -> None:
     from array import array
 
-    from kvpolicy.audit import relative_distance
+    from kvpolicy.evidence.audit import relative_distance
 
     generator = torch.Generator().manual_seed(3)
     a = array("f", torch.randn(1000, generator=generator).tolist())

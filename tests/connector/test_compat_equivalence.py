@@ -56,13 +56,13 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvpolicy.engine import make_plan
-from kvpolicy.keys import KeyContext, chunk_key, split_chunk_key
-from kvpolicy.loader import load_policy
-from kvpolicy.models import Policy, Schedule, Topology
-from kvpolicy.plan import Plan
+from kvpolicy.documents.loader import load_policy
+from kvpolicy.documents.settings import KVPolicySettings
+from kvpolicy.language.keys import KeyContext, chunk_key, split_chunk_key
+from kvpolicy.language.models import Policy, Schedule, Topology
+from kvpolicy.planning.engine import make_plan
+from kvpolicy.planning.plan import Plan
 from kvpolicy.runtime import binding
-from kvpolicy.settings import KVPolicySettings
 from kvpolicy.vllm import store
 from kvpolicy.vllm.config import WorkerSetup
 from kvpolicy.vllm.layout import layout_from_kv_cache_config

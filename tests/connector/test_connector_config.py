@@ -30,10 +30,10 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from kvpolicy.diagnostics import DocumentError, PlanError
-from kvpolicy.engine import make_plan
-from kvpolicy.loader import load_policy, policies_dir
-from kvpolicy.models import Group, Layout, Spec, Topology
+from kvpolicy.documents.loader import load_policy, policies_dir
+from kvpolicy.language.diagnostics import DocumentError, PlanError
+from kvpolicy.language.models import Group, Layout, Spec, Topology
+from kvpolicy.planning.engine import make_plan
 from kvpolicy.vllm.config import KVPolicyConfigError
 from kvpolicy.vllm.connector import KVPolicyConnector, resolve_policy
 
@@ -301,7 +301,7 @@ def test_the_connector_reports_every_bad_setting_at_once() -> None:
 
 
 def test_vllm_accepts_the_builders_kv_transfer_config() -> None:
-    from kvpolicy.settings import KVPolicySettings
+    from kvpolicy.documents.settings import KVPolicySettings
 
     built = KVPolicySettings(kvpolicy="default", kvpolicy_read_failure_ttl_s=5).kv_transfer_config(
         upstream_extra={"cache_prefix": "run"}
@@ -320,7 +320,7 @@ def test_vllm_accepts_the_builders_kv_transfer_config() -> None:
 def scheduler_connector(load_failure: str = "recompute") -> Iterator[KVPolicyConnector]:
     """The connector in the scheduler role, as vLLM's scheduler builds it (a one-group model's config);
     its lookup client's socket closed after (an unclosed one can block the interpreter in zmq)."""
-    from kvpolicy.settings import KVPolicySettings
+    from kvpolicy.documents.settings import KVPolicySettings
     from kvpolicy.sim.model import build_model
 
     model = build_model("mla", 1, model_name="tiny-contract", blocks_needed=8)

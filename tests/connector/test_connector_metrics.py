@@ -17,11 +17,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector  # noqa: E402
 
-from kvpolicy.keys import parse_key  # noqa: E402
-from kvpolicy.loader import load_policy  # noqa: E402
+from kvpolicy.documents.loader import load_policy  # noqa: E402
+from kvpolicy.documents.settings import KVPolicySettings  # noqa: E402
+from kvpolicy.language.keys import parse_key  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
-from kvpolicy.settings import KVPolicySettings  # noqa: E402
 from kvpolicy.sim import BLOCK_SIZE, Fleet  # noqa: E402
 from kvpolicy.sim.instance import Instance  # noqa: E402
 from kvpolicy.vllm.connector import KVPolicyConnector  # noqa: E402

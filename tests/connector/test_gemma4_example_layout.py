@@ -36,8 +36,8 @@ try:  # vLLM 0.33
 except ImportError:  # vLLM 0.32
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
 
-from kvpolicy.loader import load_layout  # noqa: E402
-from kvpolicy.models import Layout, thawed  # noqa: E402
+from kvpolicy.documents.loader import load_layout  # noqa: E402
+from kvpolicy.language.models import Layout, thawed  # noqa: E402
 from kvpolicy.vllm.layout import layout_from_kv_cache_config  # noqa: E402
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "layouts" / "gemma-4-26b-a4b.yaml"

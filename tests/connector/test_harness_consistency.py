@@ -17,7 +17,7 @@ from conftest import require
 require("vllm")
 require("mooncake.store")
 
-from kvpolicy.loader import load_policy  # noqa: E402
+from kvpolicy.documents.loader import load_policy  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import ARCHETYPES, BLOCK_SIZE, ConsistencyReport, run_consistency  # noqa: E402

@@ -37,9 +37,9 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend  # noqa:
 from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec  # noqa: E402
 
-from kvpolicy.engine import make_plan  # noqa: E402
-from kvpolicy.loader import load_layout, load_policy, resolve_policy_path  # noqa: E402
-from kvpolicy.models import Layout, SpecValues, Topology, thawed  # noqa: E402
+from kvpolicy.documents.loader import load_layout, load_policy, resolve_policy_path  # noqa: E402
+from kvpolicy.language.models import Layout, SpecValues, Topology, thawed  # noqa: E402
+from kvpolicy.planning.engine import make_plan  # noqa: E402
 from kvpolicy.vllm.layout import spec_document  # noqa: E402
 
 TP_SIZES = (1, 2, 4, 8)

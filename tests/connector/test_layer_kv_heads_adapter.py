@@ -23,10 +23,10 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     UniformTypeKVCacheSpecs,
 )
 
-from kvpolicy.dumper import dump_layout  # noqa: E402
-from kvpolicy.engine import make_plan  # noqa: E402
-from kvpolicy.loader import check_text, load_policy, policies_dir  # noqa: E402
-from kvpolicy.models import LayerHeads, Layout, Topology  # noqa: E402
+from kvpolicy.documents.loader import check_text, load_policy, policies_dir  # noqa: E402
+from kvpolicy.language.dumper import dump_layout  # noqa: E402
+from kvpolicy.language.models import LayerHeads, Layout, Topology  # noqa: E402
+from kvpolicy.planning.engine import make_plan  # noqa: E402
 from kvpolicy.vllm import internals  # noqa: E402
 from kvpolicy.vllm.internals import MODEL_ARCH, Internal, drift  # noqa: E402
 from kvpolicy.vllm.layout import layout_from_kv_cache_config  # noqa: E402

@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvpolicy.models import Layout, thawed
+from kvpolicy.language.models import Layout, thawed
 from kvpolicy.vllm.layout import layout_from_kv_cache_config, spec_document
 
 BLOCK = 16

@@ -29,13 +29,13 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 
 from kvpolicy.app.cli import main as cli_main  # noqa: E402
-from kvpolicy.diagnostics import PlanError  # noqa: E402
-from kvpolicy.dumper import dump_layout  # noqa: E402
-from kvpolicy.engine import make_plan  # noqa: E402
-from kvpolicy.keys import model_basename  # noqa: E402
-from kvpolicy.loader import check_file, load_policy, schemas_dir, shipped_policy_names  # noqa: E402
-from kvpolicy.models import Layout, Topology, thawed  # noqa: E402
-from kvpolicy.plan import Plan  # noqa: E402
+from kvpolicy.documents.loader import check_file, load_policy, schemas_dir, shipped_policy_names  # noqa: E402
+from kvpolicy.language.diagnostics import PlanError  # noqa: E402
+from kvpolicy.language.dumper import dump_layout  # noqa: E402
+from kvpolicy.language.keys import model_basename  # noqa: E402
+from kvpolicy.language.models import Layout, Topology, thawed  # noqa: E402
+from kvpolicy.planning.engine import make_plan  # noqa: E402
+from kvpolicy.planning.plan import Plan  # noqa: E402
 from kvpolicy.runtime.binding import RankPlace  # noqa: E402
 from kvpolicy.vllm.layout import layout_from_kv_cache_config  # noqa: E402
 from kvpolicy.vllm.worker import KVPolicyStoreWorker  # noqa: E402

@@ -13,8 +13,8 @@ from conftest import require
 require("vllm")
 require("mooncake.store")
 
-from kvpolicy.keys import split_chunk_key  # noqa: E402
-from kvpolicy.loader import load_policy  # noqa: E402
+from kvpolicy.documents.loader import load_policy  # noqa: E402
+from kvpolicy.language.keys import split_chunk_key  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import HYBRIDS, Fleet, Instance  # noqa: E402

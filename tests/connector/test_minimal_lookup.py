@@ -19,7 +19,7 @@ require("mooncake.store")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import MooncakeStoreWorker  # noqa: E402
 
-from kvpolicy.loader import load_policy  # noqa: E402
+from kvpolicy.documents.loader import load_policy  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import ARCHETYPES, Fleet, Instance  # noqa: E402

@@ -20,8 +20,8 @@ require("mooncake.store")
 import torch  # noqa: E402
 
 from kvpolicy.device.striped import StripedReadStore  # noqa: E402
-from kvpolicy.loader import load_policy  # noqa: E402
-from kvpolicy.models import LoadMode  # noqa: E402
+from kvpolicy.documents.loader import load_policy  # noqa: E402
+from kvpolicy.language.models import LoadMode  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.runtime.read_failures import RecordingReadStore  # noqa: E402

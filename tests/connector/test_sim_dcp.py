@@ -17,7 +17,7 @@ from conftest import require
 require("vllm")
 require("mooncake.store")
 
-from kvpolicy.loader import load_policy  # noqa: E402
+from kvpolicy.documents.loader import load_policy  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import ConsistencyReport, run_consistency  # noqa: E402
@@ -82,8 +82,8 @@ def test_the_audit_demotes_a_rule_replicating_distinct_heads_under_dcp(run: Run)
 )
 def test_the_plans_chunk_is_the_store_coordinators_under_dcp(archetype: str, tp: int, dcp: int) -> None:
     # vLLM resolves specs for DCP before it cuts chunks: a DCP-sharded spec's chunk spans dcp_size blocks.
-    from kvpolicy.engine import make_plan
-    from kvpolicy.models import Topology
+    from kvpolicy.language.models import Topology
+    from kvpolicy.planning.engine import make_plan
     from kvpolicy.sim import build_model
 
     model = build_model(archetype, tp, model_name="m", blocks_needed=8, dcp_size=dcp)

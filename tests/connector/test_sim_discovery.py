@@ -22,10 +22,10 @@ require("mooncake.store")
 
 from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 
-from kvpolicy.discovery import DiscoveryReport, runs  # noqa: E402
-from kvpolicy.engine import make_plan  # noqa: E402
-from kvpolicy.loader import load_policy  # noqa: E402
-from kvpolicy.propose import LoadedReport, disagreements, load_reports, propose  # noqa: E402
+from kvpolicy.documents.loader import load_policy  # noqa: E402
+from kvpolicy.documents.propose import LoadedReport, disagreements, load_reports, propose  # noqa: E402
+from kvpolicy.evidence.discovery import DiscoveryReport, runs  # noqa: E402
+from kvpolicy.planning.engine import make_plan  # noqa: E402
 from kvpolicy.sim import ARCHETYPES, LAYER_HEADS_ARCHETYPES, Fleet  # noqa: E402
 from kvpolicy.sim.archetypes import Archetype  # noqa: E402
 from kvpolicy.sim.discover import run_discovery  # noqa: E402

@@ -15,7 +15,7 @@ require("vllm")
 
 from vllm.v1.core.kv_cache_utils import BlockHash  # noqa: E402
 
-from kvpolicy.models import Layout  # noqa: E402
+from kvpolicy.language.models import Layout  # noqa: E402
 from kvpolicy.sim.archetypes import (  # noqa: E402
     ARCHETYPES,
     LAYER_HEADS_ARCHETYPES,

@@ -20,7 +20,7 @@ from conftest import require
 require("vllm")
 require("mooncake.store")
 
-from kvpolicy.loader import load_policy  # noqa: E402
+from kvpolicy.documents.loader import load_policy  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import BLOCK_SIZE, ConsistencyReport, Fleet, LoadVerdict, get_archetype, run_consistency  # noqa: E402

@@ -19,11 +19,11 @@ require("vllm")
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import MooncakeStoreWorker  # noqa: E402
 from vllm.v1.core.kv_cache_utils import BlockHash  # noqa: E402
 
-from kvpolicy.loader import load_policy  # noqa: E402
-from kvpolicy.models import Topology  # noqa: E402
+from kvpolicy.documents.loader import load_policy  # noqa: E402
+from kvpolicy.language.models import Topology  # noqa: E402
+from kvpolicy.planning.store_layout import select_store_layout  # noqa: E402
 from kvpolicy.runtime.binding import RankPlace  # noqa: E402
 from kvpolicy.sim.model import SimulatedModel, build_model  # noqa: E402
-from kvpolicy.store_layout import select_store_layout  # noqa: E402
 from kvpolicy.vllm.internals import init_standalone  # noqa: E402
 from kvpolicy.vllm.worker import KVPolicyStoreWorker  # noqa: E402
 

@@ -29,8 +29,8 @@ require("vllm")
 require("mooncake.store")
 
 from kvpolicy.device.striped import StripedReadStore, allocate_staging  # noqa: E402
-from kvpolicy.loader import load_policy  # noqa: E402
-from kvpolicy.models import LoadMode, Policy  # noqa: E402
+from kvpolicy.documents.loader import load_policy  # noqa: E402
+from kvpolicy.language.models import LoadMode, Policy  # noqa: E402
 from kvpolicy.mooncake import MasterCounters  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
@@ -179,7 +179,7 @@ def test_under_torchcomms_striping_falls_back_to_reads_on_every_rank_instead_of_
 def test_a_plan_carries_the_policys_load_mode_into_its_json(
     mooncake_master: MooncakeMaster, clients: ClientPool
 ) -> None:
-    from kvpolicy.report import plan_to_json
+    from kvpolicy.documents.report import plan_to_json
 
     with Fleet("mla", master=mooncake_master, clients=clients, num_tokens=NUM_TOKENS) as fleet:
         assert plan_to_json(fleet.instance(striped(), 2).plan)["load"] == "striped"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from kvpolicy.catalog import SPEC_CLASSES
-from kvpolicy.loader import check_text
-from kvpolicy.models import Layout, Policy
+from kvpolicy.documents.loader import check_text
+from kvpolicy.language.catalog import SPEC_CLASSES
+from kvpolicy.language.models import Layout, Policy
 
 MODEL = "deepseek-ai/DeepSeek-V2-Lite"
 MODEL_BASENAME = "DeepSeek-V2-Lite"

@@ -7,9 +7,9 @@ import textwrap
 import pytest
 from core_support import full, layout, mamba, upstream_factor
 
-from kvpolicy.engine import make_plan
-from kvpolicy.loader import check_text, load_policy, shipped_policy_names
-from kvpolicy.models import Topology
+from kvpolicy.documents.loader import check_text, load_policy, shipped_policy_names
+from kvpolicy.language.models import Topology
+from kvpolicy.planning.engine import make_plan
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4, 8])

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from core_support import HYBRID_AUDIT_LAYOUT as LAYOUT
 
-from kvpolicy.audit import Digest, Verdict, audited_groups, describe, digest_blocks, judge
-from kvpolicy.engine import make_plan
-from kvpolicy.loader import load_layout, load_policy
-from kvpolicy.models import Topology
+from kvpolicy.documents.loader import load_layout, load_policy
+from kvpolicy.evidence.audit import Digest, Verdict, audited_groups, describe, digest_blocks, judge
+from kvpolicy.language.models import Topology
+from kvpolicy.planning.engine import make_plan
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The audit's per-instance state machine (:class:`kvpolicy.audit.AuditState`) and its report column.
+"""The audit's per-instance state machine (:class:`kvpolicy.evidence.audit.AuditState`) and its report column.
 
 Every TP rank runs one of these and feeds it the same gathered digests, so what is tested here is
 also what keeps the ranks in lockstep: the schedule of audited steps depends on nothing else.
@@ -15,7 +15,9 @@ from core_support import HYBRID_AUDIT_LAYOUT as LAYOUT
 from core_support import full, mla
 from core_support import layout as inline_layout
 
-from kvpolicy.audit import (
+from kvpolicy.documents.loader import load_layout, load_policy
+from kvpolicy.documents.report import format_plan_table, plan_to_json
+from kvpolicy.evidence.audit import (
     REPLICA_TOLERANCE,
     AuditState,
     AuditStatus,
@@ -30,10 +32,8 @@ from kvpolicy.audit import (
     rounding_tolerance,
     value_comparison,
 )
-from kvpolicy.engine import make_plan
-from kvpolicy.loader import load_layout, load_policy
-from kvpolicy.models import Audit, AuditMode, Topology
-from kvpolicy.report import format_plan_table, plan_to_json
+from kvpolicy.language.models import Audit, AuditMode, Topology
+from kvpolicy.planning.engine import make_plan
 
 TP = 4
 SAME = Digest("d1", all_zero=False)

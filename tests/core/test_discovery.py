@@ -19,13 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpolicy.app.cli import main
-from kvpolicy.diagnostics import CHECKS_BY_CODE
-from kvpolicy.discovery import Observer, dump_report, group_layers, meet, partition_of, runs
-from kvpolicy.engine import PLANS, make_plan, rank_replica_sets, replica_partition
-from kvpolicy.loader import check_text, load_layout, load_policy, schemas_dir
-from kvpolicy.matcher import layers_matching
-from kvpolicy.models import Layout, Match, Rule, Topology
-from kvpolicy.propose import (
+from kvpolicy.documents.loader import check_text, load_layout, load_policy, schemas_dir
+from kvpolicy.documents.propose import (
     MIN_BLOCKS,
     MIN_DISTINCT,
     differences,
@@ -34,6 +29,11 @@ from kvpolicy.propose import (
     load_reports,
     propose,
 )
+from kvpolicy.evidence.discovery import Observer, dump_report, group_layers, meet, partition_of, runs
+from kvpolicy.language.diagnostics import CHECKS_BY_CODE
+from kvpolicy.language.matcher import layers_matching
+from kvpolicy.language.models import Layout, Match, Rule, Topology
+from kvpolicy.planning.engine import PLANS, make_plan, rank_replica_sets, replica_partition
 
 
 def _truth(layout: Layout, layer: str, spec_classes: tuple[str, ...], tp: int) -> int:
@@ -455,7 +455,7 @@ def test_reports_whose_class_hierarchies_contradict_get_a_located_refusal_not_an
 
 
 def test_a_proposal_that_does_not_read_back_is_a_located_refusal_not_an_exception(tmp_path: Path, monkeypatch) -> None:
-    import kvpolicy.propose as proposing
+    import kvpolicy.documents.propose as proposing
 
     path = _write(tmp_path, "r.yaml", load_layout("llama-3.1-70b"), 2)
     monkeypatch.setattr(proposing, "_render", lambda rules, loaded, name: "version: 1\nkind: ReplicationPolicy\n")

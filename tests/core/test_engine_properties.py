@@ -6,11 +6,11 @@ from core_support import layout, spec, upstream_factor
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvpolicy.catalog import SPEC_CLASSES
-from kvpolicy.diagnostics import PlanError
-from kvpolicy.engine import make_plan
-from kvpolicy.loader import load_policy
-from kvpolicy.models import Schedule, Topology
+from kvpolicy.documents.loader import load_policy
+from kvpolicy.language.catalog import SPEC_CLASSES
+from kvpolicy.language.diagnostics import PlanError
+from kvpolicy.language.models import Schedule, Topology
+from kvpolicy.planning.engine import make_plan
 
 POLICIES = {name: load_policy(name) for name in ("default", "no-dedup", "vllm-compat")}
 MEMBER_CLASSES = sorted(name for name in SPEC_CLASSES if name != "UniformTypeKVCacheSpecs")

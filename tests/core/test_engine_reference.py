@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from core_support import MODEL, full, layout, mamba, mla, policy, spec
 
-from kvpolicy.diagnostics import PlanError
-from kvpolicy.engine import make_plan
-from kvpolicy.keys import KeyContext, parse_prefix
-from kvpolicy.loader import load_policy, policies_dir
-from kvpolicy.models import Schedule, Topology
+from kvpolicy.documents.loader import load_policy, policies_dir
+from kvpolicy.language.diagnostics import PlanError
+from kvpolicy.language.keys import KeyContext, parse_prefix
+from kvpolicy.language.models import Schedule, Topology
+from kvpolicy.planning.engine import make_plan
 
 VLLM_COMPAT = load_policy("vllm-compat")
 DEFAULT = load_policy("default")

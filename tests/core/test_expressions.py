@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpolicy.expressions import MAX_DEPTH, MAX_INT, MAX_SOURCE_LENGTH, Expression, ExpressionError
+from kvpolicy.language.expressions import MAX_DEPTH, MAX_INT, MAX_SOURCE_LENGTH, Expression, ExpressionError
 
 TOPOLOGY = {"tp_size": 8, "pp_size": 2, "pcp_size": 1, "dcp_size": 1, "total_num_kv_heads": 2}
 

@@ -15,10 +15,9 @@ import pytest
 from core_support import full, mla
 from pydantic import BaseModel
 
-from kvpolicy.engine import FINGERPRINTED, NOT_FINGERPRINTED, make_plan
-from kvpolicy.expressions import Expression
-from kvpolicy.keys import UPSTREAM_KEY_TEMPLATE, KeyContext
-from kvpolicy.models import (
+from kvpolicy.language.expressions import Expression
+from kvpolicy.language.keys import UPSTREAM_KEY_TEMPLATE, KeyContext
+from kvpolicy.language.models import (
     Audit,
     FieldExpression,
     Group,
@@ -32,7 +31,8 @@ from kvpolicy.models import (
     Spec,
     Topology,
 )
-from kvpolicy.store_layout import StoreSharding
+from kvpolicy.planning.engine import FINGERPRINTED, NOT_FINGERPRINTED, make_plan
+from kvpolicy.planning.store_layout import StoreSharding
 
 PLAN_INPUTS = (Policy, Layout, Topology, KeyContext, StoreSharding)
 """What :func:`make_plan` reads."""

@@ -8,8 +8,8 @@ import pytest
 from core_support import MODEL, mamba, policy
 from pydantic import ValidationError
 
-from kvpolicy.loader import load_layout, load_policy
-from kvpolicy.models import FrozenMapping, Layout, Match, Policy, Spec, Topology
+from kvpolicy.documents.loader import load_layout, load_policy
+from kvpolicy.language.models import FrozenMapping, Layout, Match, Policy, Spec, Topology
 
 NESTED_SOURCE = {"architectures": ["DeepseekV3ForCausalLM"], "rope_scaling": {"factor": 40, "types": ["yarn"]}}
 

@@ -13,12 +13,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import golden_keys
 
-from kvpolicy.keys import KEY_VERSION
+from kvpolicy.language.keys import KEY_VERSION
 
 RECORDED = json.loads(golden_keys.golden_path().read_text(encoding="utf-8")) if golden_keys.golden_path().is_file() else None
 BUMP = (
     "the store keys changed: instances of this version would miss every object stored by the last one; if that is "
-    "deliberate, bump KEY_VERSION in kvpolicy/keys.py, say what changed, and run scripts/golden_keys.py --write"
+    "deliberate, bump KEY_VERSION in kvpolicy/language/keys.py, say what changed, and run scripts/golden_keys.py --write"
 )
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpolicy.diagnostics import MAX_MESSAGE_CHARS, Diagnostic
-from kvpolicy.loader import MAX_DIAGNOSTICS_PER_FILE, check_file, check_text
-from kvpolicy.yamlsource import MAX_DOCUMENT_BYTES, MAX_NODES
+from kvpolicy.documents.loader import MAX_DIAGNOSTICS_PER_FILE, check_file, check_text
+from kvpolicy.language.diagnostics import MAX_MESSAGE_CHARS, Diagnostic
+from kvpolicy.language.yamlsource import MAX_DOCUMENT_BYTES, MAX_NODES
 
 POLICY_HEAD = "version: 1\nkind: ReplicationPolicy\nname: example\n"
 LAYOUT = """\
@@ -235,8 +235,8 @@ INVALID_POLICY = POLICY_HEAD + "rules: []\nbogus: 1\n"
 
 @pytest.mark.parametrize("name", ["de\x00fault", "policies/x\x00.yaml", "/tmp/x\x00.yaml"])
 def test_a_policy_name_or_path_holding_a_nul_is_one_located_error(name: str) -> None:
-    from kvpolicy.diagnostics import DocumentError
-    from kvpolicy.loader import load_policy
+    from kvpolicy.documents.loader import load_policy
+    from kvpolicy.language.diagnostics import DocumentError
 
     with pytest.raises(DocumentError) as raised:
         load_policy(name)
@@ -388,7 +388,7 @@ def judged_within(text: str, mib: int = MEMORY_LIMIT_MIB, seconds: int = 60) -> 
     code = textwrap.dedent(f"""
         import resource, sys
         resource.setrlimit(resource.RLIMIT_AS, ({mib} << 20, {mib} << 20))
-        from kvpolicy.loader import check_text
+        from kvpolicy.documents.loader import check_text
         document, problems = check_text(sys.stdin.read(), "p.yaml")
         for problem in problems:
             print(problem)

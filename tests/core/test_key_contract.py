@@ -9,11 +9,11 @@ import jsonschema
 import pytest
 from core_support import full, layout, mamba
 
-from kvpolicy.contract import KEY_VERSION, KeyContract, key_contract
-from kvpolicy.engine import make_plan
-from kvpolicy.keys import KeyContext, chunk_key
-from kvpolicy.loader import load_layout, load_policy, schemas_dir, shipped_policy_names
-from kvpolicy.models import Topology
+from kvpolicy.documents.loader import load_layout, load_policy, schemas_dir, shipped_policy_names
+from kvpolicy.language.keys import KeyContext, chunk_key
+from kvpolicy.language.models import Topology
+from kvpolicy.planning.contract import KEY_VERSION, KeyContract, key_contract
+from kvpolicy.planning.engine import make_plan
 
 SCHEMA = json.loads((schemas_dir() / "keys.schema.json").read_text(encoding="utf-8"))
 EXAMPLES = ("deepseek-v3", "kimi-linear-48b-a3b", "llama-3.1-70b", "qwen3-next-80b-a3b")
@@ -98,8 +98,8 @@ def test_a_chunk_key_is_its_namespace_an_at_sign_and_the_hash() -> None:
 
 
 def test_a_contract_beyond_its_bound_is_refused_before_it_is_built() -> None:
-    from kvpolicy.contract import MAX_CONTRACT_PREFIXES
-    from kvpolicy.diagnostics import PlanError
+    from kvpolicy.language.diagnostics import PlanError
+    from kvpolicy.planning.contract import MAX_CONTRACT_PREFIXES
 
     document = load_layout("llama-3.1-70b")
     plan = make_plan(load_policy("default"), document, Topology(tp_size=1024, pp_size=128))
@@ -109,8 +109,8 @@ def test_a_contract_beyond_its_bound_is_refused_before_it_is_built() -> None:
 
 
 def test_a_sharded_store_counts_its_shards_toward_the_plan_bound() -> None:
-    from kvpolicy.diagnostics import PlanError
-    from kvpolicy.store_layout import StoreSharding
+    from kvpolicy.language.diagnostics import PlanError
+    from kvpolicy.planning.store_layout import StoreSharding
 
     document = layout(full(num_kv_heads=1), heads=4096).model_copy(update={"kv_cache_layout": "LBNHC"})
     with pytest.raises(PlanError, match=r"16,777,216 \(group, rank\) entries .*store_tp_size 4096"):

@@ -1,4 +1,4 @@
-"""The key grammar lives in ``kvpolicy/keys.py`` alone: every recorded key reads back into the fields
+"""The key grammar lives in ``kvpolicy/language/keys.py`` alone: every recorded key reads back into the fields
 that rendered it and renders again to the same bytes, malformed keys are refused at the column where
 they go wrong, and no other module spells a key's parts or cuts a key at its ``@``."""
 
@@ -15,9 +15,8 @@ from core_support import full, layout, mla
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpolicy.contract import key_contract
-from kvpolicy.engine import make_plan, plan_deployment
-from kvpolicy.keys import (
+from kvpolicy.documents.loader import load_layout, load_policy
+from kvpolicy.language.keys import (
     AGREEMENT_MARKER,
     DEMOTED_SUFFIX,
     DEMOTION_MARKER,
@@ -31,8 +30,9 @@ from kvpolicy.keys import (
     parse_prefix,
     render_prefix,
 )
-from kvpolicy.loader import load_layout, load_policy
-from kvpolicy.models import Topology
+from kvpolicy.language.models import Topology
+from kvpolicy.planning.contract import key_contract
+from kvpolicy.planning.engine import make_plan, plan_deployment
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -232,9 +232,9 @@ def test_an_invalid_template_is_refused_before_any_key_is_read() -> None:
 
 KEY_SPELLINGS = ("@demoted:", "@tp_rank:", "@pp_rank:", "@group:", "@store_pp:", "@store_tp:", "@store_format:",
                  AGREEMENT_MARKER, DEMOTION_MARKER)
-"""Parts of a key only :mod:`kvpolicy.keys` spells (a template is the policy's, not code's)."""
+"""Parts of a key only :mod:`kvpolicy.language.keys` spells (a template is the policy's, not code's)."""
 NOT_YET_SWITCHED: dict[str, set[str]] = {}
-"""Call sites in files another change owns, to switch to :func:`kvpolicy.keys.split_chunk_key` there;
+"""Call sites in files another change owns, to switch to :func:`kvpolicy.language.keys.split_chunk_key` there;
 an entry that no longer matches is stale and fails."""
 
 
@@ -276,7 +276,7 @@ def test_no_product_module_but_keys_spells_or_cuts_a_key() -> None:
     found: dict[str, set[str]] = {}
     for path in sorted((REPO / "kvpolicy").rglob("*.py")):
         name = str(path.relative_to(REPO))
-        if name == "kvpolicy/keys.py":
+        if name == "kvpolicy/language/keys.py":
             continue
         for use in key_grammar_uses(path, spellings=True):
             found.setdefault(name, set()).add(use.split(": ", 1)[1])

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from core_support import full, policy, spec
 
-from kvpolicy.engine import make_plan
-from kvpolicy.loader import check_text, load_policy, policies_dir
-from kvpolicy.models import Layout, Topology
-from kvpolicy.report import format_explanation, format_plan_table, plan_to_json
+from kvpolicy.documents.loader import check_text, load_policy, policies_dir
+from kvpolicy.documents.report import format_explanation, format_plan_table, plan_to_json
+from kvpolicy.language.models import Layout, Topology
+from kvpolicy.planning.engine import make_plan
 
 SLIDING = spec("SlidingWindowSpec", sliding_window=512, num_kv_heads=1, max_tp_shards=None)
 

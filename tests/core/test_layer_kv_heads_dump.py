@@ -5,9 +5,9 @@ from __future__ import annotations
 import yaml
 from core_support import full
 
-from kvpolicy.dumper import dump_layout
-from kvpolicy.loader import check_text
-from kvpolicy.models import Layout
+from kvpolicy.documents.loader import check_text
+from kvpolicy.language.dumper import dump_layout
+from kvpolicy.language.models import Layout
 
 ATTENTION = [f"model.layers.{index}.self_attn.attn" for index in range(8)]
 

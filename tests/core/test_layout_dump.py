@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine_properties import layouts as engine_layouts
 
-from kvpolicy.dumper import compress_layer_names, dump_layout
-from kvpolicy.expressions import MAX_INT
-from kvpolicy.loader import check_file, check_text, load_layout
-from kvpolicy.models import RESERVED_FIELD_NAMES, Layout, Topology, expand_layer_pattern
+from kvpolicy.documents.loader import check_file, check_text, load_layout
+from kvpolicy.language.dumper import compress_layer_names, dump_layout
+from kvpolicy.language.expressions import MAX_INT
+from kvpolicy.language.models import RESERVED_FIELD_NAMES, Layout, Topology, expand_layer_pattern
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_LAYOUTS = sorted((REPO / "examples" / "layouts").glob("*.yaml"))
@@ -46,7 +46,7 @@ def one_group(**fields: Any) -> Layout:
 
 
 def test_the_dumper_imports_neither_vllm_nor_mooncake() -> None:
-    code = "import sys, kvpolicy.dumper; print(sorted({'vllm', 'mooncake', 'torch'} & set(sys.modules)))"
+    code = "import sys, kvpolicy.language.dumper; print(sorted({'vllm', 'mooncake', 'torch'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from core_support import upstream_factor
 
-from kvpolicy.diagnostics import PlanError
-from kvpolicy.engine import make_plan
-from kvpolicy.loader import check_file, layouts_dir, load_layout, load_policy, shipped_policy_names
-from kvpolicy.models import Layout, Topology
+from kvpolicy.documents.loader import check_file, layouts_dir, load_layout, load_policy, shipped_policy_names
+from kvpolicy.language.diagnostics import PlanError
+from kvpolicy.language.models import Layout, Topology
+from kvpolicy.planning.engine import make_plan
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples" / "layouts"
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))

@@ -10,8 +10,7 @@ import textwrap
 
 import pytest
 
-from kvpolicy.diagnostics import Diagnostic, DocumentError
-from kvpolicy.loader import (
+from kvpolicy.documents.loader import (
     check_file,
     check_text,
     layouts_dir,
@@ -22,7 +21,8 @@ from kvpolicy.loader import (
     shipped_layout_names,
     shipped_policy_names,
 )
-from kvpolicy.models import Layout, Policy
+from kvpolicy.language.diagnostics import Diagnostic, DocumentError
+from kvpolicy.language.models import Layout, Policy
 
 PATH = "policy.yaml"
 

@@ -17,8 +17,8 @@ from pydantic import ValidationError
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
 import fuzz_strategies as fs
 
-from kvpolicy.loader import KINDS, check_text, schemas_dir
-from kvpolicy.yamlsource import parse
+from kvpolicy.documents.loader import KINDS, check_text, schemas_dir
+from kvpolicy.language.yamlsource import parse
 
 SCHEMAS = {
     "ReplicationPolicy": json.loads((schemas_dir() / "policy.schema.json").read_text(encoding="utf-8")),

@@ -23,9 +23,9 @@ from yaml.constructor import SafeConstructor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
 import fuzz_strategies as fs
 
-from kvpolicy import loader
-from kvpolicy.models import Policy
-from kvpolicy.yamlsource import MAX_NODES, SourceMap, parse
+from kvpolicy.documents import loader
+from kvpolicy.language.models import Policy
+from kvpolicy.language.yamlsource import MAX_NODES, SourceMap, parse
 
 PROPERTY = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

@@ -12,12 +12,12 @@ from collections.abc import Iterator
 import pytest
 from core_support import full, layout, mamba, mla
 
-from kvpolicy.diagnostics import PlanError
-from kvpolicy.engine import PLANS, PlanCache, make_plan
-from kvpolicy.keys import KeyContext
-from kvpolicy.loader import load_layout, load_policy
-from kvpolicy.models import Topology
-from kvpolicy.store_layout import StoreSharding
+from kvpolicy.documents.loader import load_layout, load_policy
+from kvpolicy.language.diagnostics import PlanError
+from kvpolicy.language.keys import KeyContext
+from kvpolicy.language.models import Topology
+from kvpolicy.planning.engine import PLANS, PlanCache, make_plan
+from kvpolicy.planning.store_layout import StoreSharding
 
 DEFAULT = load_policy("default")
 HYBRID = layout(mla(), full(), mamba(tp_replicated=True), heads=2)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from kvpolicy.app.cli import main
-from kvpolicy.diagnostics import PlanError
-from kvpolicy.engine import make_plan
-from kvpolicy.loader import load_layout, load_policy
-from kvpolicy.models import Topology
+from kvpolicy.documents.loader import load_layout, load_policy
+from kvpolicy.language.diagnostics import PlanError
+from kvpolicy.language.models import Topology
+from kvpolicy.planning.engine import make_plan
 
 LAYOUT = """\
 version: 1

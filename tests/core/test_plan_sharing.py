@@ -8,11 +8,11 @@ from core_support import full, layout, mamba, mla, policy
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvpolicy.diagnostics import PlanError
-from kvpolicy.engine import make_plan
-from kvpolicy.loader import load_policy
-from kvpolicy.models import KeyFormat, Layout, Schedule, Topology
-from kvpolicy.plan import GroupPlan, Plan
+from kvpolicy.documents.loader import load_policy
+from kvpolicy.language.diagnostics import PlanError
+from kvpolicy.language.models import KeyFormat, Layout, Schedule, Topology
+from kvpolicy.planning.engine import make_plan
+from kvpolicy.planning.plan import GroupPlan, Plan
 
 GLOBS = policy(
     """\

@@ -13,12 +13,9 @@ import pytest
 from core_support import full, layout, mamba, mla, spec
 
 from kvpolicy.app.cli import main
-from kvpolicy.contract import KeyContract, key_contract
-from kvpolicy.diagnostics import PlanError
-from kvpolicy.engine import make_plan, plan_deployment
-from kvpolicy.loader import layouts_dir, load_layout, load_policy, policies_dir
-from kvpolicy.models import Layout, Topology
-from kvpolicy.routers import (
+from kvpolicy.documents.loader import layouts_dir, load_layout, load_policy, policies_dir
+from kvpolicy.documents.settings import KVPolicySettings, SettingsError
+from kvpolicy.evidence.routers import (
     DYNAMO_MAX_GROUPS,
     DYNAMO_MAX_PREFIX_BYTES,
     DYNAMO_MAX_PREFIXES,
@@ -33,7 +30,10 @@ from kvpolicy.routers import (
     dynamo_descriptor,
     dynamo_refusals,
 )
-from kvpolicy.settings import KVPolicySettings, SettingsError
+from kvpolicy.language.diagnostics import PlanError
+from kvpolicy.language.models import Layout, Topology
+from kvpolicy.planning.contract import KeyContract, key_contract
+from kvpolicy.planning.engine import make_plan, plan_deployment
 
 REPO = Path(__file__).resolve().parents[2]
 POLICY_FILES = sorted(policies_dir().glob("*.yaml")) + sorted((REPO / "examples" / "policies").glob("*.yaml"))

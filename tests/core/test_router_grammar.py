@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from kvpolicy.contract import KeyContract, key_contract
-from kvpolicy.diagnostics import PlanError
-from kvpolicy.engine import make_plan, plan_deployment
-from kvpolicy.keys import AGREEMENT_MARKER, UPSTREAM_KEY_TEMPLATE, chunk_key, marker_key
-from kvpolicy.loader import check_text, layouts_dir, load_layout, load_policy, policies_dir
-from kvpolicy.models import AuditMode, Policy, Topology
-from kvpolicy.plan import Plan
-from kvpolicy.routers import ConductorKey, ConductorRefusal, parse_vllm_object_key, template_router_problems
+from kvpolicy.documents.loader import check_text, layouts_dir, load_layout, load_policy, policies_dir
+from kvpolicy.evidence.routers import ConductorKey, ConductorRefusal, parse_vllm_object_key, template_router_problems
+from kvpolicy.language.diagnostics import PlanError
+from kvpolicy.language.keys import AGREEMENT_MARKER, UPSTREAM_KEY_TEMPLATE, chunk_key, marker_key
+from kvpolicy.language.models import AuditMode, Policy, Topology
+from kvpolicy.planning.contract import KeyContract, key_contract
+from kvpolicy.planning.engine import make_plan, plan_deployment
+from kvpolicy.planning.plan import Plan
 
 REPO = Path(__file__).resolve().parents[2]
 POLICY_FILES = sorted(policies_dir().glob("*.yaml")) + sorted((REPO / "examples" / "policies").glob("*.yaml"))

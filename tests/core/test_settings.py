@@ -12,8 +12,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from kvpolicy.loader import schemas_dir
-from kvpolicy.settings import (
+from kvpolicy.documents.loader import schemas_dir
+from kvpolicy.documents.settings import (
     DEFAULT_PIECE_MIB,
     DEFAULT_READ_FAILURE_TTL_S,
     EXTRA_CONFIG,
@@ -362,6 +362,7 @@ def test_vllm_config_prints_what_the_builder_builds() -> None:
 
 
 def test_the_settings_module_imports_neither_vllm_torch_nor_mooncake() -> None:
-    code = "import sys, kvpolicy.settings; print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'mooncake')))"
+    code = ("import sys, kvpolicy.documents.settings; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'mooncake')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert result.stdout.strip() == "[]"

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 from core_support import full, layout, mamba, mla, policy
 
-from kvpolicy.diagnostics import PlanError
-from kvpolicy.engine import make_plan
-from kvpolicy.keys import KeyContext
-from kvpolicy.loader import load_layout, load_policy, shipped_policy_names
-from kvpolicy.models import Layout, Topology
-from kvpolicy.plan import Plan
-from kvpolicy.store_layout import StoreSharding, resolve_store_tp_size, select_store_layout
-from kvpolicy.traffic import prompt_traffic
+from kvpolicy.documents.loader import load_layout, load_policy, shipped_policy_names
+from kvpolicy.language.diagnostics import PlanError
+from kvpolicy.language.keys import KeyContext
+from kvpolicy.language.models import Layout, Topology
+from kvpolicy.planning.engine import make_plan
+from kvpolicy.planning.plan import Plan
+from kvpolicy.planning.store_layout import StoreSharding, resolve_store_tp_size, select_store_layout
+from kvpolicy.planning.traffic import prompt_traffic
 
 LLAMA = load_layout("llama-3.1-70b")  # 8 KV heads, one FullAttentionSpec group
 LBHNC = StoreSharding(8, "tp_shared_lbhnc")

@@ -9,12 +9,12 @@ import jsonschema
 import pytest
 from core_support import full, layout, mamba, policy
 
-from kvpolicy.diagnostics import PlanError
-from kvpolicy.dumper import dump_layout
-from kvpolicy.engine import make_plan
-from kvpolicy.loader import check_text, load_layout, load_policy, schemas_dir
-from kvpolicy.models import Layout, Topology
-from kvpolicy.traffic import prompt_traffic
+from kvpolicy.documents.loader import check_text, load_layout, load_policy, schemas_dir
+from kvpolicy.language.diagnostics import PlanError
+from kvpolicy.language.dumper import dump_layout
+from kvpolicy.language.models import Layout, Topology
+from kvpolicy.planning.engine import make_plan
+from kvpolicy.planning.traffic import prompt_traffic
 
 HYBRID_BLOCK = "16 * cdiv(65536 // tp_size, 16 * 512)"
 """A state of 64 KiB over TP padded to attention pages of 512 bytes per token: 128, 64, 32, 16 tokens."""

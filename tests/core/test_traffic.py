@@ -1,4 +1,4 @@
-"""What one prompt costs the store under a plan (:mod:`kvpolicy.traffic`); the e2e tests check the
+"""What one prompt costs the store under a plan (:mod:`kvpolicy.planning.traffic`); the e2e tests check the
 same numbers against a real Mooncake master's counters."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from core_support import full, layout, mamba, mla, policy
 
-from kvpolicy.engine import make_plan
-from kvpolicy.loader import load_layout, load_policy
-from kvpolicy.models import Topology
-from kvpolicy.traffic import Stores, prompt_traffic
+from kvpolicy.documents.loader import load_layout, load_policy
+from kvpolicy.language.models import Topology
+from kvpolicy.planning.engine import make_plan
+from kvpolicy.planning.traffic import Stores, prompt_traffic
 
 BLOCK = 16
 HYBRID = layout(mla(block_size=BLOCK), mamba(block_size=BLOCK), heads=1)

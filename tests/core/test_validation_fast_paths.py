@@ -22,8 +22,8 @@ from pydantic_core import PydanticCustomError
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
 import fuzz_strategies as fs
 
-from kvpolicy.expressions import MAX_INT, Expression, ExpressionError, shared_expression
-from kvpolicy.models import MAX_VALUE_DEPTH, FrozenMapping, Layout, Spec, expand_layer_pattern
+from kvpolicy.language.expressions import MAX_INT, Expression, ExpressionError, shared_expression
+from kvpolicy.language.models import MAX_VALUE_DEPTH, FrozenMapping, Layout, Spec, expand_layer_pattern
 
 PROPERTY = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

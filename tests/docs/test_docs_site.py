@@ -27,11 +27,11 @@ from site_build import BuiltSite, built_site  # noqa: F401  (a fixture)
 
 from kvpolicy.app import reference, rule
 from kvpolicy.app.cli import build_parser, main
-from kvpolicy.diagnostics import CHECKS
-from kvpolicy.discovery import DiscoveryReport
-from kvpolicy.loader import check_text
-from kvpolicy.models import Layout, Policy
-from kvpolicy.settings import KVPolicySettings
+from kvpolicy.documents.loader import check_text
+from kvpolicy.documents.settings import KVPolicySettings
+from kvpolicy.evidence.discovery import DiscoveryReport
+from kvpolicy.language.diagnostics import CHECKS
+from kvpolicy.language.models import Layout, Policy
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"

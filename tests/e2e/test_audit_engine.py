@@ -33,6 +33,7 @@ if importlib.util.find_spec("vllm") is None:
     unavailable("vllm is not installed (in a kvpolicy checkout: pip install '.[vllm]' on GPUs, '.[cpu]' on CPUs)")
 require("mooncake.store")
 
+from kvpolicy.documents.settings import KVPolicySettings  # noqa: E402
 from kvpolicy.harness.e2e import (  # noqa: E402
     DEFAULT_BLOCK_SIZE,
     EngineResult,
@@ -42,7 +43,6 @@ from kvpolicy.harness.e2e import (  # noqa: E402
 from kvpolicy.harness.tinymodel import make_tiny_llama  # noqa: E402
 from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
-from kvpolicy.settings import KVPolicySettings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 WRONG = REPO / "examples" / "policies" / "wrong-attention-replicated.yaml"

@@ -31,14 +31,14 @@ require("mooncake.store")
 require("transformers")
 
 from kvpolicy.app.cli import main as kvpolicy_main  # noqa: E402
-from kvpolicy.discovery import DiscoveryReport  # noqa: E402
-from kvpolicy.engine import make_plan  # noqa: E402
+from kvpolicy.documents.loader import load, load_policy  # noqa: E402
+from kvpolicy.documents.settings import KVPolicySettings  # noqa: E402
+from kvpolicy.evidence.discovery import DiscoveryReport  # noqa: E402
 from kvpolicy.harness.e2e import fixed_prompt, serve_once  # noqa: E402
 from kvpolicy.harness.tinymodel import ARCHITECTURES, make_tiny_model  # noqa: E402
 from kvpolicy.harness.zoo.observe import PLUGINS  # noqa: E402
-from kvpolicy.loader import load, load_policy  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
-from kvpolicy.settings import KVPolicySettings  # noqa: E402
+from kvpolicy.planning.engine import make_plan  # noqa: E402
 
 TP_SIZE = 2
 # The Mamba2 CPU prefill workaround, as the zoo's tiny copies get it (PLUGINS: a vLLM general plugin found on

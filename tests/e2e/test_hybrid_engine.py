@@ -45,6 +45,8 @@ if importlib.util.find_spec("vllm") is None:
 require("mooncake.store")
 
 from kvpolicy.app.cli import main as kvpolicy_main  # noqa: E402
+from kvpolicy.documents.loader import check_file  # noqa: E402
+from kvpolicy.documents.settings import KVPolicySettings  # noqa: E402
 from kvpolicy.harness.e2e import (  # noqa: E402
     EngineFailed,
     EngineResult,
@@ -53,9 +55,7 @@ from kvpolicy.harness.e2e import (  # noqa: E402
 )
 from kvpolicy.harness.tinymodel import ARCHITECTURES, HYBRIDS, make_tiny_model  # noqa: E402
 from kvpolicy.harness.zoo.observe import PLUGINS  # noqa: E402
-from kvpolicy.loader import check_file  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
-from kvpolicy.settings import KVPolicySettings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PRE_FIX = REPO / "examples" / "policies" / "pre-fix-single-factor.yaml"

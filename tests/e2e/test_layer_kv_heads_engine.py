@@ -35,12 +35,12 @@ require("mooncake.store")
 require("transformers")
 
 from kvpolicy.app.cli import main as kvpolicy_main  # noqa: E402
+from kvpolicy.documents.loader import check_file  # noqa: E402
+from kvpolicy.documents.settings import KVPolicySettings  # noqa: E402
 from kvpolicy.harness.e2e import DEFAULT_BLOCK_SIZE, EngineResult, fixed_prompt, serve_once  # noqa: E402
 from kvpolicy.harness.tinymodel import make_tiny_gemma4  # noqa: E402
-from kvpolicy.loader import check_file  # noqa: E402
-from kvpolicy.models import Layout  # noqa: E402
+from kvpolicy.language.models import Layout  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
-from kvpolicy.settings import KVPolicySettings  # noqa: E402
 
 TP_SIZE = 2
 SLIDING_KV_HEADS = 1

@@ -20,9 +20,9 @@ if importlib.util.find_spec("vllm") is None:
     unavailable("vllm is not installed (in a kvpolicy checkout: pip install '.[vllm]' on GPUs, '.[cpu]' on CPUs)")
 require("mooncake.store")
 
+from kvpolicy.documents.settings import KVPolicySettings  # noqa: E402
 from kvpolicy.harness.e2e import fixed_prompt, serve_once  # noqa: E402
 from kvpolicy.harness.tinymodel import make_tiny_llama  # noqa: E402
-from kvpolicy.settings import KVPolicySettings  # noqa: E402
 
 PLUGIN = Path(__file__).resolve().parent / "load_failure_plugin"
 PROMPT = fixed_prompt(109)

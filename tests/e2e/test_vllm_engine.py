@@ -25,7 +25,7 @@ if importlib.util.find_spec("vllm") is None:
     unavailable("vllm is not installed (in a kvpolicy checkout: pip install '.[vllm]' on GPUs, '.[cpu]' on CPUs)")
 require("mooncake.store")
 
-from kvpolicy.contract import KeyContract  # noqa: E402
+from kvpolicy.documents.settings import KVPolicySettings  # noqa: E402
 from kvpolicy.harness.e2e import (  # noqa: E402
     DEFAULT_BLOCK_SIZE,
     EngineFailed,
@@ -34,11 +34,11 @@ from kvpolicy.harness.e2e import (  # noqa: E402
     serve_once,
 )
 from kvpolicy.harness.tinymodel import make_tiny_llama  # noqa: E402
-from kvpolicy.keys import chunk_key  # noqa: E402
+from kvpolicy.language.keys import chunk_key  # noqa: E402
 from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402
 from kvpolicy.mooncake.client import store_client  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
-from kvpolicy.settings import KVPolicySettings  # noqa: E402
+from kvpolicy.planning.contract import KeyContract  # noqa: E402
 from kvpolicy.sim.scheduler import block_hashes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -170,8 +170,8 @@ def test_a_plugin_spec_class_is_discovered_from_a_config_alone_and_its_proposed_
     serves the plugin's architecture, the report names its spec class, the default policy (which
     shards a class no rule names) agrees, and the policy proposed from the report plans every group as
     observed, with a rule naming the plugin's class."""
-    from kvpolicy.engine import make_plan
-    from kvpolicy.loader import load_policy
+    from kvpolicy.documents.loader import load_policy
+    from kvpolicy.planning.engine import make_plan
 
     layers = ["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv", "full_attention",
               "conv", "full_attention", "conv", "full_attention", "conv", "full_attention", "conv"]
@@ -216,9 +216,9 @@ conv logprobs): the store must still give back exactly the bytes the cold engine
 def _prompt_blocks_unlike_cold(family: str, policy: str, scratch: Path) -> list[str]:
     """One prompt of two full blocks through a cold and a warm engine under *policy*: the prompt's full
     blocks whose bytes differ warm vs cold (``rank R LAYER.PART block B``)."""
+    from kvpolicy.documents.settings import KVPolicySettings
     from kvpolicy.harness.e2e import serve_once
     from kvpolicy.harness.zoo.observe import engine_options
-    from kvpolicy.settings import KVPolicySettings
 
     copy = shrink(FAMILIES[family])
     model = build(copy, scratch / "model")

@@ -36,11 +36,11 @@ import yaml
 from hypothesis import strategies as st
 
 from kvpolicy.app.cli import main as cli_main
-from kvpolicy.diagnostics import MAX_MESSAGE_CHARS, Diagnostic, printable_path
-from kvpolicy.expressions import MAX_DEPTH, MAX_INT, MAX_SOURCE_LENGTH, Expression, ExpressionError
-from kvpolicy.keys import KEY_TEMPLATE_FIELDS, KeyContext, parse_prefix, render_prefix
-from kvpolicy.loader import MAX_DIAGNOSTICS_PER_FILE, check_text
-from kvpolicy.models import KeyFormat
+from kvpolicy.documents.loader import MAX_DIAGNOSTICS_PER_FILE, check_text
+from kvpolicy.language.diagnostics import MAX_MESSAGE_CHARS, Diagnostic, printable_path
+from kvpolicy.language.expressions import MAX_DEPTH, MAX_INT, MAX_SOURCE_LENGTH, Expression, ExpressionError
+from kvpolicy.language.keys import KEY_TEMPLATE_FIELDS, KeyContext, parse_prefix, render_prefix
+from kvpolicy.language.models import KeyFormat
 
 REPO = Path(__file__).resolve().parents[2]
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
@@ -240,7 +240,7 @@ NAMESPACES = tuple(
 
 def template_contract(template: str) -> None:
     """A template the validator accepts renders every namespace, each to its own prefix, which
-    :func:`~kvpolicy.keys.parse_prefix` reads back into that namespace."""
+    :func:`~kvpolicy.language.keys.parse_prefix` reads back into that namespace."""
     try:
         KeyFormat(template=template)
     except ValueError:
@@ -1023,8 +1023,8 @@ def discovery_reports(draw: Any) -> str:
 
 def discovery_report_contract(text: str, path: Path) -> None:
     """A report validate accepts is read by --propose and --check; their refusals are of its evidence."""
-    from kvpolicy.loader import check_text, load_policy
-    from kvpolicy.propose import check_policy, load_reports, propose
+    from kvpolicy.documents.loader import check_text, load_policy
+    from kvpolicy.documents.propose import check_policy, load_reports, propose
 
     path.write_text(text, encoding="utf-8")
     document, problems = check_text(text, str(path))
@@ -1059,7 +1059,7 @@ def side_file_settings(draw: Any) -> dict[str, Any]:
 def side_file_settings_contract(extra_config: dict[str, Any]) -> None:
     """Parsed, or refused with :class:`SettingsError` whose every line names its key; never another
     exception, whatever the paths are and whichever rank judges them."""
-    from kvpolicy.settings import KVPolicySettings, SettingsError
+    from kvpolicy.documents.settings import KVPolicySettings, SettingsError
 
     for check_side_files in (False, True):
         with time_limit(CHECK_SECONDS, "settings"):

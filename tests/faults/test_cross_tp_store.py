@@ -17,8 +17,8 @@ from conftest import require
 require("vllm")
 require("mooncake.store")
 
-from kvpolicy.keys import parse_key  # noqa: E402
-from kvpolicy.loader import load_policy  # noqa: E402
+from kvpolicy.documents.loader import load_policy  # noqa: E402
+from kvpolicy.language.keys import parse_key  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import BLOCK_SIZE, Fleet, MixedReport, run_mixed  # noqa: E402

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpolicy.app.cli import main
-from kvpolicy.expressions import Expression, ExpressionError
-from kvpolicy.loader import check_text
-from kvpolicy.models import KeyFormat
+from kvpolicy.documents.loader import check_text
+from kvpolicy.language.expressions import Expression, ExpressionError
+from kvpolicy.language.models import KeyFormat
 
 FUZZ = settings(
     deadline=None,

@@ -20,8 +20,8 @@ from conftest import require
 require("vllm")
 require("mooncake.store")
 
-from kvpolicy.loader import load_policy, policies_dir  # noqa: E402
-from kvpolicy.models import Policy  # noqa: E402
+from kvpolicy.documents.loader import load_policy, policies_dir  # noqa: E402
+from kvpolicy.language.models import Policy  # noqa: E402
 from kvpolicy.mooncake.master import MooncakeMaster  # noqa: E402
 from kvpolicy.mooncake.pool import ClientPool  # noqa: E402
 from kvpolicy.sim import BLOCK_SIZE, MixedReport, run_mixed  # noqa: E402

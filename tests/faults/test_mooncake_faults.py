@@ -27,7 +27,7 @@ from conftest import require, unavailable
 require("vllm")
 require("mooncake.store")
 
-from kvpolicy.loader import load_policy  # noqa: E402
+from kvpolicy.documents.loader import load_policy  # noqa: E402
 from kvpolicy.mooncake.client import MiB  # noqa: E402
 from kvpolicy.mooncake.faults import (  # noqa: E402
     NO_AVAILABLE_HANDLE,

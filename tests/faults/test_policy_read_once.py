@@ -20,10 +20,10 @@ require("vllm")
 
 from pydantic import ValidationError  # noqa: E402
 
-from kvpolicy.engine import make_plan  # noqa: E402
-from kvpolicy.loader import load_layout, policies_dir  # noqa: E402
-from kvpolicy.models import Topology  # noqa: E402
-from kvpolicy.plan import Plan  # noqa: E402
+from kvpolicy.documents.loader import load_layout, policies_dir  # noqa: E402
+from kvpolicy.language.models import Topology  # noqa: E402
+from kvpolicy.planning.engine import make_plan  # noqa: E402
+from kvpolicy.planning.plan import Plan  # noqa: E402
 from kvpolicy.sim import build_model  # noqa: E402
 from kvpolicy.vllm.connector import POLICY_KEY, resolve_policy  # noqa: E402
 

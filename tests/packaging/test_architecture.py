@@ -4,36 +4,43 @@ application on top, no import circles, and no module reaching into another's pri
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator, Mapping
+import itertools
+import re
+import tomllib
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CORE = ("models", "loader", "yamlsource", "expressions", "matcher", "engine", "plan", "keys", "audit",
-        "diagnostics", "schema", "report", "catalog", "traffic", "dumper", "store_layout", "contract", "diff",
-        "settings", "routers", "discovery", "propose")
-LAYERS = {
-    "kvpolicy.runtime": {
-        "kvpolicy.vllm", "kvpolicy.mooncake", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.harness",
-        "vllm", "torch", "mooncake",
-    },
-    "kvpolicy.device": {
-        "kvpolicy.vllm", "kvpolicy.mooncake", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.harness", "vllm", "mooncake",
-    },
-    "kvpolicy.mooncake": {"kvpolicy.vllm", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.harness", "vllm"},
-    "kvpolicy.vllm": {"kvpolicy.sim", "kvpolicy.app", "kvpolicy.harness"},
-    "kvpolicy.sim": {"kvpolicy.app", "kvpolicy.harness"},
-    "kvpolicy.harness": {"kvpolicy.app"},
-    "kvpolicy.harness.fleet": {"kvpolicy.app", "kvpolicy.sim", "vllm", "mooncake", "torch"},
+PACKAGE = "kvpolicy"
+CORE = ("kvpolicy.language", "kvpolicy.planning", "kvpolicy.evidence", "kvpolicy.documents")
+"""The core's layer packages, lowest first: the policy language (what a policy, a layout and a topology
+say, and how they are spelled: models, expressions, matching, keys, diagnostics, YAML in and out);
+planning (what a policy means for one layout and topology: the engine, plans, store layouts, the key
+contract, traffic, diffs); evidence (a plan checked against what is observed: the audit, discovery, the
+routers that read the keys); the documents as files (the loader, the connector's settings, schemas,
+reports, proposals). Which module is in which layer is where its file lies."""
+STACK = (*CORE, PACKAGE, "kvpolicy.runtime", "kvpolicy.device", "kvpolicy.mooncake", "kvpolicy.vllm",
+         "kvpolicy.sim", "kvpolicy.harness", "kvpolicy.app")
+"""Every layer of kvpolicy, lowest first; a module imports nothing of a layer after its own (data flows one
+way: core → runtime → adapters → sim → app). A module is in the layer of the longest package holding it,
+so ``kvpolicy`` itself is ``kvpolicy/__init__.py`` alone: the front door, re-exporting the core's public
+names, above the core and below everything that may use it. The run-time policy is written against
+declared ports; the harness (engine and server runners, tiny models, the fleet of test hosts) is tooling
+beside the simulation, and nothing in the product imports it."""
+BARRED = {
+    **{package: {"vllm", "torch", "mooncake"} for package in CORE},
+    "kvpolicy.runtime": {"vllm", "torch", "mooncake"},
+    "kvpolicy.device": {"vllm", "mooncake"},
+    "kvpolicy.mooncake": {"vllm"},
+    "kvpolicy.harness.fleet": {"vllm", "mooncake", "torch", "kvpolicy.sim"},
 }
-"""Package → the packages it must not import (data flows one way: core → runtime → adapters → sim → app;
-the run-time policy is written against declared ports, so it imports neither vLLM, torch, Mooncake
-nor any adapter; what runs on KV-cache tensors imports torch but neither vLLM nor Mooncake, so it runs
-on a GPU host without them (scripts/gpu_check.py). The harness (engine and server runners, tiny models,
-the fleet of test hosts) is tooling beside the simulation: it may use the adapters and the simulation,
-and nothing in the product imports it; its fleet starts processes of the adapters and imports neither
-vLLM nor Mooncake itself)."""
+"""Package → what else it must not import, beside the layers above it: the core and the run-time policy
+import neither vLLM, torch nor Mooncake; what runs on KV-cache tensors imports torch but neither vLLM nor
+Mooncake, so it runs on a GPU host without them (scripts/gpu_check.py); the Mooncake adapter never imports
+vLLM; the fleet of test hosts starts processes of the adapters and imports neither vLLM, Mooncake, torch
+nor the simulation itself."""
 
 
 def python_files(*roots: str) -> Iterator[Path]:
@@ -104,36 +111,14 @@ def test_no_module_imports_another_modules_private_names() -> None:
 
 def test_the_private_name_check_sees_a_private_import(tmp_path: Path) -> None:
     probe = tmp_path / "probe_private_import.py"
-    probe.write_text("from kvpolicy.engine import _decide_group\nfrom kvpolicy import keys\nkeys._x\n", encoding="utf-8")
+    probe.write_text("from kvpolicy.planning.engine import _decide_group\nfrom kvpolicy.language import keys\nkeys._x\n", encoding="utf-8")
     assert [use.split(": ", 1)[1] for use in private_uses(probe)] == [
-        "from kvpolicy.engine import _decide_group",
+        "from kvpolicy.planning.engine import _decide_group",
         "keys._x",
     ]
 
 
-@pytest.mark.parametrize("module", CORE)
-def test_the_core_imports_neither_vllm_mooncake_torch_nor_the_adapters(module: str) -> None:
-    path = REPO / "kvpolicy" / f"{module}.py"
-    forbidden = (
-        "vllm", "mooncake", "torch", "kvpolicy.vllm", "kvpolicy.mooncake", "kvpolicy.sim", "kvpolicy.app", "kvpolicy.harness",
-    )
-    bad = [f"{line}: {name}" for line, name, _ in imports(path) if name.split(".")[0] in forbidden[:3] or name.startswith(forbidden[3:])]
-    assert bad == []
-
-
-@pytest.mark.parametrize("package", LAYERS)
-def test_a_layer_imports_nothing_above_it(package: str) -> None:
-    root = REPO / Path(*package.split("."))
-    bad = [
-        f"{path.relative_to(REPO)}:{line}: {name}"
-        for path in sorted(root.rglob("*.py"))
-        for line, name, _ in imports(path)
-        if any(name == above or name.startswith(f"{above}.") for above in LAYERS[package])
-    ]
-    assert bad == []
-
-
-def import_graph(root: Path = REPO, package: str = "kvpolicy") -> dict[str, set[str]]:
+def import_graph(root: Path = REPO, package: str = PACKAGE) -> dict[str, set[str]]:
     """Module -> the modules of ``package`` it imports: every import in it, at the top, inside a function
     (a lazy import that dodges a circle is still the circle) or under ``TYPE_CHECKING``. ``from p import
     name`` is an edge to the submodule ``p.name`` where there is one, else to ``p`` (its ``__init__``)."""
@@ -209,6 +194,81 @@ def circles(graph: Mapping[str, set[str]]) -> list[list[str]]:
                     if len(component) > 1:
                         found.append(sorted(component))
     return sorted(found)
+
+
+def layer_of(module: str, stack: Sequence[str]) -> int | None:
+    """The position in ``stack`` of the longest package holding ``module`` (None: in none)."""
+    holding = [package for package in stack if module == package or module.startswith(f"{package}.")]
+    return stack.index(max(holding, key=len)) if holding else None
+
+
+def upward_imports(graph: Mapping[str, set[str]], stack: Sequence[str], package: str) -> list[str]:
+    """``module -> imported`` for each module of layer ``package`` importing a module of a later layer."""
+    here = stack.index(package)
+    return [
+        f"{module} -> {target}"
+        for module, targets in sorted(graph.items())
+        if layer_of(module, stack) == here
+        for target in sorted(targets)
+        if (there := layer_of(target, stack)) is not None and there > here
+    ]
+
+
+def barred_imports(root: Path, package: str, barred: set[str]) -> list[str]:
+    """Every import, lazy or under ``TYPE_CHECKING`` too, in the files of ``package`` of a name in ``barred``
+    (a library, by its top-level name, or a package of kvpolicy, with what it holds)."""
+    return [
+        f"{shown(path)}:{line}: {name}"
+        for path in sorted((root / Path(*package.split("."))).rglob("*.py"))
+        for line, name, _ in imports(path)
+        if any(name == bar or name.startswith(f"{bar}.") for bar in barred)
+    ]
+
+
+def test_every_module_of_kvpolicy_lies_in_a_layer_package() -> None:
+    # The folders show the layers: no flat module beside the front door, no package the stack does not name.
+    root = REPO / PACKAGE
+    assert sorted(path.name for path in root.glob("*.py")) == ["__init__.py"]
+    assert {f"{PACKAGE}.{path.parent.name}" for path in root.glob("*/__init__.py")} == set(STACK) - {PACKAGE}
+    assert all(layer_of(module, STACK) is not None for module in import_graph())
+
+
+@pytest.mark.parametrize("package", STACK)
+def test_a_layer_imports_nothing_above_it(package: str) -> None:
+    assert upward_imports(import_graph(), STACK, package) == []
+
+
+@pytest.mark.parametrize("package", BARRED)
+def test_the_core_and_the_lower_layers_import_no_barred_library(package: str) -> None:
+    assert barred_imports(REPO, package, BARRED[package]) == []
+
+
+def test_the_type_checker_covers_every_core_package() -> None:
+    files = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["mypy"]["files"]
+    assert set(files) >= {"kvpolicy/__init__.py", *(package.replace(".", "/") for package in CORE), "kvpolicy/runtime"}
+
+
+def test_the_layer_checks_see_an_upward_import_and_a_barred_library(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    files = {
+        "__init__.py": "from pkg.low.a import x\n",
+        "low/__init__.py": "",
+        "low/a.py": "def f():\n    from pkg.high import b  # lazy: still upward\n",
+        "low/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch.nn\nfrom pkg import x\n",
+        "high/__init__.py": "",
+        "high/b.py": "import pkg.low.a\nimport torch\n",
+    }
+    for name, text in files.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(text, encoding="utf-8")
+    stack = ("pkg.low", "pkg", "pkg.high")
+    graph = import_graph(tmp_path, "pkg")
+    assert upward_imports(graph, stack, "pkg.low") == ["pkg.low.a -> pkg.high.b", "pkg.low.c -> pkg"]
+    assert upward_imports(graph, stack, "pkg") == []
+    assert upward_imports(graph, stack, "pkg.high") == []
+    assert [found.split(": ", 1)[1] for found in barred_imports(tmp_path, "pkg.low", {"torch", "pkg.high"})] == [
+        "pkg.high", "torch.nn",
+    ]
 
 
 def test_no_kvpolicy_modules_import_each_other_in_a_circle() -> None:
@@ -423,4 +483,84 @@ def test_the_vllm_private_scan_sees_reads_writes_calls_overrides_and_undeclared_
         "worker._capacity_only",
         "worker._lookup_key_prefixes",
         "worker._tail_key_boundaries",
+    ]
+
+
+ARCHITECTURE = REPO / "docs" / "contributing" / "architecture.md"
+FEATURES_HEADING = "## Features by layer"
+FEATURES = {"audit", "discovery", "proposal", "routers", "striping", "keys", "settings"}
+"""The features the architecture page's table must have a row for, at least."""
+COLUMNS = ("core", *(package.rpartition(".")[2] for package in STACK[len(CORE) + 1:]))
+"""The table's layer columns, in :data:`STACK`'s order: the core's (cells relative to ``kvpolicy/``), then one per
+package (cells relative to its folder)."""
+
+
+def feature_rows(markdown: str) -> tuple[list[str], dict[str, list[list[str]]]]:
+    """(the header's layer columns, feature -> the modules named in each column) of the first table under
+    :data:`FEATURES_HEADING`; a module is a cell's ``code`` spans, a dash or nothing is none."""
+    after = markdown.split(FEATURES_HEADING, 1)[1].splitlines()
+    first = next(index for index, line in enumerate(after) if line.startswith("|"))
+    lines = list(itertools.takewhile(lambda line: line.startswith("|"), after[first:]))
+
+    def cells(line: str) -> list[str]:
+        return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+    header, rows = cells(lines[0]), [cells(line) for line in lines[2:]]
+    return header[1:], {row[0]: [re.findall(r"`([^`]+)`", cell) for cell in row[1:]] for row in rows}
+
+
+def feature_table_problems(markdown: str, package: Path) -> list[str]:
+    """What the table under :data:`FEATURES_HEADING` gets wrong about the modules under ``package``: a column
+    other than :data:`COLUMNS`, a module named that is not there (or, in the core's column, lies outside the
+    core's packages), a module of ``package`` in no row, a feature of :data:`FEATURES` with none."""
+    columns, rows = feature_rows(markdown)
+    if columns != list(COLUMNS):
+        return [f"columns {columns}, not {list(COLUMNS)}"]
+    core = {name.rpartition(".")[2] for name in CORE}
+    problems, named = [], set()
+    for feature, modules in rows.items():
+        for column, names in zip(COLUMNS, modules, strict=True):
+            for name in names:
+                path = package / name if column == "core" else package / column / name
+                if not path.is_file() or path.suffix != ".py":
+                    problems.append(f"{feature}, {column}: no module {name}")
+                elif column == "core" and Path(name).parts[0] not in core:
+                    problems.append(f"{feature}, core: {name} lies outside the core's packages")
+                named.add(path)
+    unnamed = sorted(
+        path.relative_to(package).as_posix()
+        for path in package.rglob("*.py")
+        if path.name != "__init__.py" and path not in named and path.parent != package
+    )
+    problems += [f"in no row: {name}" for name in unnamed]
+    problems += [f"no row for the feature {feature}" for feature in sorted(FEATURES - rows.keys())]
+    return problems
+
+
+def test_the_architecture_pages_feature_table_names_every_module_where_it_lies() -> None:
+    assert feature_table_problems(ARCHITECTURE.read_text(encoding="utf-8"), REPO / PACKAGE) == []
+
+
+def test_the_feature_table_check_sees_a_missing_a_misplaced_and_an_unnamed_module(tmp_path: Path) -> None:
+    package = tmp_path / "kvpolicy"
+    for name in ("language/keys.py", "runtime/binding.py", "runtime/striping.py", "app/cli.py"):
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text("", encoding="utf-8")
+    empty = " — |" * (len(COLUMNS) - 2)
+    markdown = "\n".join([
+        "# Architecture", "", FEATURES_HEADING, "",
+        f"| feature | {' | '.join(COLUMNS)} |", "|---" * (len(COLUMNS) + 1) + "|",
+        f"| keys | `language/keys.py`, `runtime/binding.py` | `binding.py`, `gone.py` |{empty}",
+        f"| audit | — | — |{empty}",
+        "", "| not | this | table |",
+    ])
+    assert feature_table_problems(markdown, package) == [
+        "keys, core: runtime/binding.py lies outside the core's packages",
+        "keys, runtime: no module gone.py",
+        "in no row: app/cli.py",
+        "in no row: runtime/striping.py",
+        *(f"no row for the feature {feature}" for feature in sorted(FEATURES - {"keys", "audit"})),
+    ]
+    assert feature_table_problems(markdown.replace("| runtime |", "| run time |", 1), package) == [
+        f"columns {['core', 'run time', *COLUMNS[2:]]}, not {list(COLUMNS)}",
     ]

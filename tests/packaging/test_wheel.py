@@ -14,9 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import json, kvpolicy
-from kvpolicy.loader import load_policy, load_layout, policies_dir, layouts_dir, shipped_policy_names
-from kvpolicy.schema import stale_files
-from kvpolicy.loader import schemas_dir
+from kvpolicy.documents.loader import load_policy, load_layout, policies_dir, layouts_dir, shipped_policy_names
+from kvpolicy.documents.schema import stale_files
+from kvpolicy.documents.loader import schemas_dir
 print(json.dumps({
     "module": kvpolicy.__file__,
     "policies_dir": str(policies_dir()),

@@ -10,10 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.engine import make_plan
-from kvpolicy.loader import load_layout, load_policy
-from kvpolicy.models import Audit, AuditMode, Layout, Policy, Topology
-from kvpolicy.plan import Plan
+from kvpolicy.documents.loader import load_layout, load_policy
+from kvpolicy.language.models import Audit, AuditMode, Layout, Policy, Topology
+from kvpolicy.planning.engine import make_plan
+from kvpolicy.planning.plan import Plan
 
 TP = 4
 

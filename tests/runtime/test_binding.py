@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpolicy.engine import make_plan
-from kvpolicy.keys import chunk_key
-from kvpolicy.loader import load_layout, load_policy
-from kvpolicy.models import Layout, LoadMode, Policy, Schedule, Topology
-from kvpolicy.plan import Plan
+from kvpolicy.documents.loader import load_layout, load_policy
+from kvpolicy.language.keys import chunk_key
+from kvpolicy.language.models import Layout, LoadMode, Policy, Schedule, Topology
+from kvpolicy.planning.engine import make_plan
+from kvpolicy.planning.plan import Plan
 from kvpolicy.runtime.binding import RankBinding, RankPlace
 
 TP = 4

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from runtime_support import TP, ListGather, MemoryStore, audited_policy, hybrid_layout, logged, planner
 
-from kvpolicy.audit import Digest
-from kvpolicy.contract import key_contract
-from kvpolicy.loader import load_layout
-from kvpolicy.models import Layout
-from kvpolicy.routers import DynamoDeployment, DynamoDescriptor, check_dynamo_descriptor
+from kvpolicy.documents.loader import load_layout
+from kvpolicy.evidence.audit import Digest
+from kvpolicy.evidence.routers import DynamoDeployment, DynamoDescriptor, check_dynamo_descriptor
+from kvpolicy.language.models import Layout
+from kvpolicy.planning.contract import key_contract
 from kvpolicy.runtime.audit_step import encode_report
 from kvpolicy.runtime.binding import RankPlace
 from kvpolicy.runtime.policy import RankPolicy

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from runtime_support import ListGather, MemoryStore, audited_policy, hybrid_layout, planner
 
-from kvpolicy.audit import DEMOTION_MESSAGE_LIMIT, AuditState, agreement_key, demotion_key
-from kvpolicy.models import AuditMode
+from kvpolicy.evidence.audit import DEMOTION_MESSAGE_LIMIT, AuditState, agreement_key, demotion_key
+from kvpolicy.language.models import AuditMode
 from kvpolicy.runtime.markers import (
     LookupGate,
     agree_on_demotions,
@@ -171,6 +171,6 @@ def test_agreeing_is_one_collective_carrying_what_this_rank_found() -> None:
 
 
 def _same():
-    from kvpolicy.audit import Digest
+    from kvpolicy.evidence.audit import Digest
 
     return Digest("d1", all_zero=False)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from runtime_support import TP, HandClock, ListGather, MemoryStore, audited_policy, hybrid_layout, logged, planner
 
-from kvpolicy.audit import AuditStatus, Digest, ReplicationAuditError, agreement_key, demotion_key
-from kvpolicy.models import AuditMode, Policy
+from kvpolicy.evidence.audit import AuditStatus, Digest, ReplicationAuditError, agreement_key, demotion_key
+from kvpolicy.language.models import AuditMode, Policy
 from kvpolicy.runtime.audit_step import encode_report
 from kvpolicy.runtime.binding import RankPlace
 from kvpolicy.runtime.policy import RankPolicy
@@ -303,7 +303,7 @@ def test_only_the_first_rank_writes_status_documents(layout, tmp_path: Path) -> 
 
 
 def test_replanning_demotes_only_the_groups_named(layout) -> None:
-    from kvpolicy.models import Topology
+    from kvpolicy.language.models import Topology
     from kvpolicy.runtime.policy import plan_and_replan
 
     declared, replan = plan_and_replan(audited_policy(), layout, Topology(tp_size=TP))
@@ -312,8 +312,8 @@ def test_replanning_demotes_only_the_groups_named(layout) -> None:
 
 
 def test_a_captured_layout_reads_back_as_the_layout(layout, tmp_path: Path) -> None:
-    from kvpolicy.loader import load_layout
-    from kvpolicy.models import Topology
+    from kvpolicy.documents.loader import load_layout
+    from kvpolicy.language.models import Topology
     from kvpolicy.runtime.policy import capture_layout
 
     path = tmp_path / "captured.yaml"
@@ -322,7 +322,7 @@ def test_a_captured_layout_reads_back_as_the_layout(layout, tmp_path: Path) -> N
 
 
 def test_a_layout_that_cannot_be_written_is_one_error_line_naming_the_key(layout, tmp_path: Path) -> None:
-    from kvpolicy.models import Topology
+    from kvpolicy.language.models import Topology
     from kvpolicy.runtime.policy import capture_layout
 
     path = tmp_path / "missing" / "captured.yaml"

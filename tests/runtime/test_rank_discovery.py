@@ -9,9 +9,9 @@ from pathlib import Path
 
 from runtime_support import logged
 
-from kvpolicy.discovery import DiscoveryReport, group_layers
-from kvpolicy.loader import load, load_layout
-from kvpolicy.models import Topology
+from kvpolicy.documents.loader import load, load_layout
+from kvpolicy.evidence.discovery import DiscoveryReport, group_layers
+from kvpolicy.language.models import Topology
 from kvpolicy.runtime.discovery import RankDiscovery
 
 LAYOUT = load_layout("llama-3.1-70b")

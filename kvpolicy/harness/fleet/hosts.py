@@ -18,12 +18,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvpolicy.documents.settings import KVPolicySettings
 from kvpolicy.harness.e2e import SegmentHolder, engine_store_config
 from kvpolicy.harness.fleet.netns import Host, Network
 from kvpolicy.harness.server import OpenAIServer
 from kvpolicy.mooncake.master import MooncakeMaster
 from kvpolicy.mooncake.metrics import MasterCounters
-from kvpolicy.settings import KVPolicySettings
 
 __all__ = ["HostFleet", "kv_transfer_config"]
 

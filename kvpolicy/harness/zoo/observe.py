@@ -233,7 +233,7 @@ def observe(
     out.mkdir(parents=True, exist_ok=True)
     stem = stem or copy.model_type.replace("_", "-")
     for tp_size in tp_sizes:
-        from kvpolicy.settings import KVPolicySettings
+        from kvpolicy.documents.settings import KVPolicySettings
 
         report = out / f"{stem}-tp{tp_size}.yaml"
         report.unlink(missing_ok=True)
@@ -326,8 +326,8 @@ class GroupSummary:
 
 def summarize(report_path: str | os.PathLike[str]) -> tuple[Any, list[GroupSummary]]:
     """``(report, its groups)``: spec classes, observed partition, evidence."""
-    from kvpolicy.discovery import DiscoveryReport
-    from kvpolicy.loader import load
+    from kvpolicy.documents.loader import load
+    from kvpolicy.evidence.discovery import DiscoveryReport
 
     report = load(os.fspath(report_path))
     assert isinstance(report, DiscoveryReport)
@@ -349,7 +349,7 @@ def degenerate(groups: Sequence[GroupSummary]) -> list[str]:
 
 def check_policy(policy_name: str, report: Any) -> list[str]:
     """Where *policy_name*'s plan departs from *report* (``kvpolicy discover --check``)."""
-    from kvpolicy.loader import load_policy
-    from kvpolicy.propose import disagreements
+    from kvpolicy.documents.loader import load_policy
+    from kvpolicy.documents.propose import disagreements
 
     return disagreements(load_policy(policy_name), report)

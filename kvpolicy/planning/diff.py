@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpolicy.plan import GroupPlan, Plan
+from kvpolicy.planning.plan import GroupPlan, Plan
 
 __all__ = ["GroupChange", "PlanChange", "compare_plans"]
 

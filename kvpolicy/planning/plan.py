@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvpolicy.keys import KeyContext, prefix_pieces, render_prefix
-from kvpolicy.models import AuditMode, LoadMode, Schedule, Topology
-from kvpolicy.store_layout import StoreSharding
+from kvpolicy.language.keys import KeyContext, prefix_pieces, render_prefix
+from kvpolicy.language.models import AuditMode, LoadMode, Schedule, Topology
+from kvpolicy.planning.store_layout import StoreSharding
 
 
 class LayerDecision(NamedTuple):
@@ -158,7 +158,7 @@ class Plan:
         )
 
     def _prefix_pieces(self, shard: int, tp_rank: int, pcp_rank: int, pp_rank: int, demoted: bool) -> list[str] | None:
-        """:func:`~kvpolicy.keys.prefix_pieces` of one namespace: its prefix cut where the group index goes."""
+        """:func:`~kvpolicy.language.keys.prefix_pieces` of one namespace: its prefix cut where the group index goes."""
         return prefix_pieces(
             self.key_template,
             self.key_context,

@@ -30,9 +30,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kvpolicy.contract import KeyContract
-from kvpolicy.expressions import ExpressionError
-from kvpolicy.keys import (
+from kvpolicy.language.expressions import ExpressionError
+from kvpolicy.language.keys import (
     DEMOTED_SUFFIX,
     INTEGER_FIELDS,
     KEY_VERSION,
@@ -44,8 +43,9 @@ from kvpolicy.keys import (
     store_namespace,
     template_fields,
 )
-from kvpolicy.models import Group, Layout, StrictModel, topology_variables
-from kvpolicy.store_layout import SHARDED_FORMATS
+from kvpolicy.language.models import Group, Layout, StrictModel, topology_variables
+from kvpolicy.planning.contract import KeyContract
+from kvpolicy.planning.store_layout import SHARDED_FORMATS
 
 # --- Mooncake Conductor: ParseVllmObjectKey ----------------------------------------------------------
 
@@ -383,7 +383,7 @@ def template_router_problems(template: str, *, audited: bool = False) -> tuple[R
     (everything before ``@tp_rank:``) taking in a field that tells ranks or groups apart, or missing
     the model. ``audited``: the policy's audit may demote a group, whose keys then end in
     ``@demoted:FINGERPRINT`` unless the template holds ``{fingerprint}``. ``template`` must be a valid
-    key template (:func:`kvpolicy.keys.check_template`). Empty when Conductor reads every key right."""
+    key template (:func:`kvpolicy.language.keys.check_template`). Empty when Conductor reads every key right."""
     problems: list[RouterProblem] = []
     fields = template_fields(template)
     base: dict[str, ConductorKey] = {}

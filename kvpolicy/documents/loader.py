@@ -20,11 +20,12 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ValidationError
 
-from kvpolicy import catalog
-from kvpolicy.diagnostics import CHECKS_BY_NAME, Diagnostic, DocumentError, printable_path
-from kvpolicy.discovery import DiscoveryReport
-from kvpolicy.expressions import Expression, ExpressionError
-from kvpolicy.models import (
+from kvpolicy.evidence.discovery import DiscoveryReport
+from kvpolicy.evidence.routers import template_router_problems
+from kvpolicy.language import catalog
+from kvpolicy.language.diagnostics import CHECKS_BY_NAME, Diagnostic, DocumentError, printable_path
+from kvpolicy.language.expressions import Expression, ExpressionError
+from kvpolicy.language.models import (
     SPEC_VARIABLES,
     AuditMode,
     FieldExpression,
@@ -33,8 +34,7 @@ from kvpolicy.models import (
     expression_variables,
     field_expressions,
 )
-from kvpolicy.routers import template_router_problems
-from kvpolicy.yamlsource import MAX_DOCUMENT_BYTES, Path, SourceMap, parse
+from kvpolicy.language.yamlsource import MAX_DOCUMENT_BYTES, Path, SourceMap, parse
 
 _NOTHING_DECLARED: Mapping[str, str] = MappingProxyType({})
 """No spec class declared besides vLLM's (a policy checked on its own)."""
@@ -61,7 +61,7 @@ def _bundled_dir(name: str) -> FilePath:
     packaged = FilePath(str(resources.files("kvpolicy"))) / name
     if packaged.is_dir():
         return packaged
-    return FilePath(__file__).resolve().parent.parent / name.replace("_", "/")
+    return FilePath(__file__).resolve().parents[2] / name.replace("_", "/")
 
 
 def policies_dir() -> FilePath:
@@ -201,7 +201,7 @@ class _Unreadable(Exception):
 def _read_bounded(path: str | FilePath) -> str:
     """The text of a policy, layout or discovery report file, read within bounds whatever ``path`` is
     (:func:`read_regular_file`: only a regular file, at most
-    :data:`~kvpolicy.yamlsource.MAX_DOCUMENT_BYTES`), UTF-8. Raises :class:`_Unreadable`."""
+    :data:`~kvpolicy.language.yamlsource.MAX_DOCUMENT_BYTES`), UTF-8. Raises :class:`_Unreadable`."""
     name = str(path)
 
     def unreadable(message: str, line: int = 1, column: int = 1) -> _Unreadable:
@@ -325,7 +325,7 @@ def _origin(path: str, source: SourceMap, location: Path) -> str | None:
 
 def _spec_origins(path: str, source: SourceMap, layout: Layout) -> dict[tuple[int, int, tuple[str, ...]], str]:
     """Where each expression of the layout's specs that reads the topology stands, by (group, member,
-    attribute as :class:`~kvpolicy.models.SpecExpressionError` names it): only those can fail at plan
+    attribute as :class:`~kvpolicy.language.models.SpecExpressionError` names it): only those can fail at plan
     time (the others were evaluated here)."""
     origins: dict[tuple[int, int, tuple[str, ...]], str] = {}
     for group_index, group in enumerate(layout.groups):
@@ -616,7 +616,7 @@ def _policy_checks(policy: Policy, source: SourceMap, declared_classes: Mapping[
 
 def _router_checks(policy: Policy, source: SourceMap) -> Iterator[Diagnostic]:
     """``KVP205``: a key template whose keys the routers that read vLLM store keys would not read as
-    the key contract states them (:func:`kvpolicy.routers.template_router_problems`), at the
+    the key contract states them (:func:`kvpolicy.evidence.routers.template_router_problems`), at the
     template, at the field at fault where one is. A policy without a template keeps vLLM's keys,
     which routers were written for."""
     location: Path = ("key", "template")

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
 
-from kvpolicy.keys import AGREEMENT_MARKER, DEMOTION_MARKER, marker_key
-from kvpolicy.models import AuditMode
-from kvpolicy.plan import Plan
+from kvpolicy.language.keys import AGREEMENT_MARKER, DEMOTION_MARKER, marker_key
+from kvpolicy.language.models import AuditMode
+from kvpolicy.planning.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpolicy.keys import store_namespace
-from kvpolicy.models import Layout, Topology
+from kvpolicy.language.keys import store_namespace
+from kvpolicy.language.models import Layout, Topology
 
 __all__ = ["SHARDED_FORMATS", "StoreSelection", "StoreSharding", "resolve_store_tp_size", "select_store_layout"]
 

@@ -1,6 +1,6 @@
 """From observations to a policy: ``kvpolicy discover --propose`` (pure).
 
-Discovery reports (:mod:`kvpolicy.discovery`) say, per layer, which TP ranks held byte-identical bytes.
+Discovery reports (:mod:`kvpolicy.evidence.discovery`) say, per layer, which TP ranks held byte-identical bytes.
 :func:`propose` reads one or more of them (one model at several TP sizes, several models) and writes a
 policy whose rules reproduce every observed partition:
 
@@ -38,8 +38,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvpolicy.diagnostics import Diagnostic, DocumentError, PlanError, printable_path
-from kvpolicy.discovery import (
+from kvpolicy.documents.loader import check_text, load_policy, read_text
+from kvpolicy.evidence.discovery import (
     DiscoveryReport,
     GroupObservation,
     LayerObservation,
@@ -47,13 +47,13 @@ from kvpolicy.discovery import (
     parse_partition,
     topology_label,
 )
-from kvpolicy.dumper import yaml_text
-from kvpolicy.engine import make_plan, replica_partition
-from kvpolicy.expressions import ExpressionError
-from kvpolicy.loader import check_text, load_policy, read_text
-from kvpolicy.models import Policy, Topology, topology_variables
-from kvpolicy.plan import GroupPlan
-from kvpolicy.yamlsource import SourceMap, parse
+from kvpolicy.language.diagnostics import Diagnostic, DocumentError, PlanError, printable_path
+from kvpolicy.language.dumper import yaml_text
+from kvpolicy.language.expressions import ExpressionError
+from kvpolicy.language.models import Policy, Topology, topology_variables
+from kvpolicy.language.yamlsource import SourceMap, parse
+from kvpolicy.planning.engine import make_plan, replica_partition
+from kvpolicy.planning.plan import GroupPlan
 
 __all__ = [
     "EXIT_AGREES",

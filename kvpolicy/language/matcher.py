@@ -8,8 +8,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvpolicy.expressions import ExpressionError, Value
-from kvpolicy.models import Rule, SpecValues, thawed
+from kvpolicy.language.expressions import ExpressionError, Value
+from kvpolicy.language.models import Rule, SpecValues, thawed
 
 _MISSING = object()
 

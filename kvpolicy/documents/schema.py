@@ -10,10 +10,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kvpolicy.contract import KeyContract
-from kvpolicy.discovery import DiscoveryReport
-from kvpolicy.models import Layout, Policy
-from kvpolicy.settings import KVPolicySettings
+from kvpolicy.documents.settings import KVPolicySettings
+from kvpolicy.evidence.discovery import DiscoveryReport
+from kvpolicy.language.models import Layout, Policy
+from kvpolicy.planning.contract import KeyContract
 
 SCHEMA_FILES: dict[str, type[BaseModel]] = {
     "policy.schema.json": Policy,

@@ -1,4 +1,4 @@
-"""policy × layout × topology → :class:`~kvpolicy.plan.Plan`.
+"""policy × layout × topology → :class:`~kvpolicy.planning.plan.Plan`.
 
 Every layer spec gets a factor from the first rule that matches it; a group's factor is the gcd of
 its layers' factors (the largest replica set over which every layer is identical). From the factor
@@ -19,12 +19,12 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple
 
-from kvpolicy.catalog import is_subclass
-from kvpolicy.diagnostics import PlanError, PlanProblem
-from kvpolicy.expressions import Expression, ExpressionError, Value
-from kvpolicy.keys import KeyContext, fingerprint, template_fields
-from kvpolicy.matcher import RuleMatch, layers_matching, layers_reason, match_spec, match_when, spec_variables
-from kvpolicy.models import (
+from kvpolicy.language.catalog import is_subclass
+from kvpolicy.language.diagnostics import PlanError, PlanProblem
+from kvpolicy.language.expressions import Expression, ExpressionError, Value
+from kvpolicy.language.keys import KeyContext, fingerprint, template_fields
+from kvpolicy.language.matcher import RuleMatch, layers_matching, layers_reason, match_spec, match_when, spec_variables
+from kvpolicy.language.models import (
     Audit,
     FieldExpression,
     Group,
@@ -45,8 +45,8 @@ from kvpolicy.models import (
     thawed,
     topology_variables,
 )
-from kvpolicy.plan import GroupPlan, LayerDecision, Plan, RankAssignment, WriteSchedule
-from kvpolicy.store_layout import StoreSelection, StoreSharding, select_store_layout
+from kvpolicy.planning.plan import GroupPlan, LayerDecision, Plan, RankAssignment, WriteSchedule
+from kvpolicy.planning.store_layout import StoreSelection, StoreSharding, select_store_layout
 
 
 class GroupDecision(NamedTuple):
@@ -164,7 +164,7 @@ def make_plan(
 ) -> Plan:
     """Plan every group of ``layout``; ``demoted`` groups are forced to factor 1 (audit fallback).
     ``store_sharding``: the deployment runs vLLM's TP-sharded store layout
-    (:func:`kvpolicy.store_layout.select_store_layout`).
+    (:func:`kvpolicy.planning.store_layout.select_store_layout`).
 
     Plans are cached (:class:`PlanCache`): asked again with the same ``policy`` and ``layout``
     objects and equal other arguments (the audit's replan after a demotion, a worker planning twice),
@@ -583,14 +583,14 @@ class _SpecWork:
         without layer globs: then no layer of the spec is decided otherwise."""
 
     def matches(self, index: int, rule: Rule) -> RuleMatch:
-        """:func:`~kvpolicy.matcher.match_spec` of rule ``index``."""
+        """:func:`~kvpolicy.language.matcher.match_spec` of rule ``index``."""
         found = self._matches.get(index)
         if found is None:
             found = self._matches[index] = match_spec(rule, self.values)
         return found
 
     def when(self, index: int, rule: Rule) -> RuleMatch:
-        """:func:`~kvpolicy.matcher.match_when` of rule ``index``."""
+        """:func:`~kvpolicy.language.matcher.match_when` of rule ``index``."""
         found = self._whens.get(index)
         if found is None:
             found = self._whens[index] = match_when(rule, self.values, self.variables)

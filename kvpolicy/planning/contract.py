@@ -14,11 +14,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvpolicy.diagnostics import PlanError
-from kvpolicy.keys import CHUNK_KEY_FORMAT, KEY_VERSION
-from kvpolicy.models import DocumentVersion, Layout, StrictModel, Topology
-from kvpolicy.plan import Plan
-from kvpolicy.traffic import Stores, group_stores
+from kvpolicy.language.diagnostics import PlanError
+from kvpolicy.language.keys import CHUNK_KEY_FORMAT, KEY_VERSION
+from kvpolicy.language.models import DocumentVersion, Layout, StrictModel, Topology
+from kvpolicy.planning.plan import Plan
+from kvpolicy.planning.traffic import Stores, group_stores
 
 MAX_CONTRACT_PREFIXES = 100_000
 """Prefixes one contract may list (every worker's, per group); real deployments list a few thousand."""

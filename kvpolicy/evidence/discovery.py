@@ -1,6 +1,6 @@
 """Discovery: which TP ranks hold byte-identical bytes, observed rather than declared (pure).
 
-A policy's rules state which ranks repeat a group's bytes; the audit (:mod:`kvpolicy.audit`) checks
+A policy's rules state which ranks repeat a group's bytes; the audit (:mod:`kvpolicy.evidence.audit`) checks
 the groups a policy calls replicated. Discovery turns the same machinery around: for the first steps
 of an instance every rank digests, per layer and per block, the bytes it saves for *every* group,
 the digests are gathered over the TP group, and rank 0 keeps, for each layer, the partition of the
@@ -10,7 +10,7 @@ every block compared; a block that is all zero on some rank proves nothing and i
 This module holds the pure half: partitions, the :class:`Observer` that accumulates them, and the
 :class:`DiscoveryReport` document rank 0 writes (``kind: DiscoveryReport``, JSON Schema in
 ``schemas/discovery.schema.json``). :mod:`kvpolicy.runtime.discovery` runs it on a rank;
-:mod:`kvpolicy.propose` turns reports into a policy.
+:mod:`kvpolicy.documents.propose` turns reports into a policy.
 """
 
 from __future__ import annotations
@@ -22,11 +22,18 @@ from typing import Any, Literal
 from pydantic import Field, StrictInt, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from kvpolicy.diagnostics import PlanError
-from kvpolicy.dumper import flow, layout_data, yaml_text
-from kvpolicy.engine import check_topology
-from kvpolicy.expressions import ExpressionError
-from kvpolicy.models import DocumentVersion, Layout, SpecExpressionError, StrictModel, Topology, topology_variables
+from kvpolicy.language.diagnostics import PlanError
+from kvpolicy.language.dumper import flow, layout_data, yaml_text
+from kvpolicy.language.expressions import ExpressionError
+from kvpolicy.language.models import (
+    DocumentVersion,
+    Layout,
+    SpecExpressionError,
+    StrictModel,
+    Topology,
+    topology_variables,
+)
+from kvpolicy.planning.engine import check_topology
 
 __all__ = [
     "MAX_DISTINCT_TRACKED",
@@ -232,7 +239,7 @@ def report_problems(report: DiscoveryReport) -> list[tuple[Location, str]]:
 def plan_problems(layout: Layout, topology: Topology) -> list[tuple[Location, str]]:
     """What no policy could plan of the report's ``layout`` at its own ``topology``, each where it
     stands in the report: a topology the engine refuses for this layout (too many (group, rank)
-    entries, sizes vLLM refuses together: :func:`kvpolicy.engine.check_topology`), a spec expression
+    entries, sizes vLLM refuses together: :func:`kvpolicy.planning.engine.check_topology`), a spec expression
     that fails there, a group whose specs differ in block size there. The connector planned the
     instance it observed, so no report of it has any; a report that does is not of an instance."""
     label = topology_label(topology)
@@ -421,7 +428,7 @@ def report_data(report: DiscoveryReport) -> dict[str, Any]:
 
 
 def dump_report(report: DiscoveryReport, *, schema: str | None = None) -> str:
-    """``report`` as YAML that :func:`kvpolicy.loader.check_file` reads back equal."""
+    """``report`` as YAML that :func:`kvpolicy.documents.loader.check_file` reads back equal."""
     header = f"# yaml-language-server: $schema={schema}\n" if schema else ""
     return header + yaml_text(report_data(report))
 

@@ -22,8 +22,8 @@ import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
-from kvpolicy.diagnostics import Diagnostic
-from kvpolicy.expressions import MAX_INT
+from kvpolicy.language.diagnostics import Diagnostic
+from kvpolicy.language.expressions import MAX_INT
 
 Path = tuple[str | int, ...]
 MAX_DOCUMENT_BYTES = 1024 * 1024

@@ -7,11 +7,11 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from kvpolicy.audit import AuditStatus, initial_statuses
-from kvpolicy.contract import KeyContract
-from kvpolicy.models import LoadMode
-from kvpolicy.plan import GroupPlan, LayerDecision, Plan
-from kvpolicy.traffic import PromptTraffic
+from kvpolicy.evidence.audit import AuditStatus, initial_statuses
+from kvpolicy.language.models import LoadMode
+from kvpolicy.planning.contract import KeyContract
+from kvpolicy.planning.plan import GroupPlan, LayerDecision, Plan
+from kvpolicy.planning.traffic import PromptTraffic
 
 DOCUMENT_VERSIONS: Mapping[str, int] = MappingProxyType(
     {
@@ -65,7 +65,7 @@ def _audit_statuses(plan: Plan, audit: Mapping[int, AuditStatus | str] | None) -
 def format_plan_table(plan: Plan, *, audit: Mapping[int, AuditStatus | str] | None = None) -> str:
     """A readable table: one row per group, then totals and the fingerprint.
 
-    ``audit`` gives each group's replication-audit status (see :class:`~kvpolicy.audit.AuditStatus`);
+    ``audit`` gives each group's replication-audit status (see :class:`~kvpolicy.evidence.audit.AuditStatus`);
     without it the column shows what an instance starting with this plan knows.
     """
     topology = plan.topology

@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from kvpolicy.models import Group, Layout
-from kvpolicy.plan import Plan
+from kvpolicy.language.models import Group, Layout
+from kvpolicy.planning.plan import Plan
 
 BOUNDARY_STATE_SPEC = "MambaSpec"
 """Spec class (or base) whose groups vLLM's store saves only at the prompt's checkpoint."""

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from kvpolicy.keys import UPSTREAM_KEY_TEMPLATE
+from kvpolicy.language.keys import UPSTREAM_KEY_TEMPLATE
 
 Severity = Literal["error", "warning"]
 
@@ -74,7 +74,7 @@ def _report(*, tp: int = 2, partition: str = "[[0, 1]]",
 
 _GROUP_IN_NAMESPACE = UPSTREAM_KEY_TEMPLATE.replace("{store_namespace}", "@g{group}@plan:{fingerprint}")
 """The upstream key template with the group also in the namespace (KVP205's example), spelled from
-:mod:`kvpolicy.keys`, the one module that spells key fields."""
+:mod:`kvpolicy.language.keys`, the one module that spells key fields."""
 _PLAN_IN_NAMESPACE = UPSTREAM_KEY_TEMPLATE.replace("{store_namespace}", "{store_namespace}@plan:{fingerprint}")
 """KVP205's example fixed: the plan in the namespace, the group where routers read it (``default``'s template)."""
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from kvpolicy.diagnostics import printable_path
+from kvpolicy.language.diagnostics import printable_path
 
 __all__ = [
     "CONNECTOR_CLASS",
@@ -91,7 +91,7 @@ class PolicySelection(BaseModel):
 def policy_usage() -> str:
     """What ``kvpolicy`` may be set to."""
     # Imported here: the loader reads the shipped policies' directory, the model needs no files.
-    from kvpolicy.loader import shipped_policy_names
+    from kvpolicy.documents.loader import shipped_policy_names
 
     return (
         f"set it to a shipped policy ({', '.join(shipped_policy_names())}), a policy file path, "
@@ -341,7 +341,7 @@ def keys_path_beside(plan_path: Path) -> Path:
 def _occupied(path: Path) -> str | None:
     """What stands at ``path`` that a side file must not replace ("a directory", "a FIFO"), or None
     (nothing, a regular file or a link, which the write replaces as a link). Raises ``OSError``."""
-    from kvpolicy.loader import file_kind  # the loader reads the shipped documents, the model needs no files
+    from kvpolicy.documents.loader import file_kind  # the loader reads the shipped documents, the model needs no files
 
     try:
         mode = os.lstat(path).st_mode

@@ -42,9 +42,9 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError, core_schema
 
-from kvpolicy.catalog import SPEC_FIELDS, is_subclass
-from kvpolicy.expressions import MAX_INT, Expression, ExpressionError, shared_expression
-from kvpolicy.keys import UPSTREAM_KEY_TEMPLATE, check_template
+from kvpolicy.language.catalog import SPEC_FIELDS, is_subclass
+from kvpolicy.language.expressions import MAX_INT, Expression, ExpressionError, shared_expression
+from kvpolicy.language.keys import UPSTREAM_KEY_TEMPLATE, check_template
 
 TOPOLOGY_VARIABLES = ("tp_size", "pp_size", "pcp_size", "dcp_size", "total_num_kv_heads", "model_total_num_kv_heads")
 """Variables every expression may read, besides the fields of the spec being matched.
@@ -300,7 +300,7 @@ def _invalid(message: str) -> PydanticCustomError:
 
 
 def _located_error(check: str, location: tuple[str | int, ...], value: Any, error: ExpressionError) -> InitErrorDetails:
-    """A validation error of ``check`` (a :data:`kvpolicy.diagnostics.CHECKS` name) at ``location``
+    """A validation error of ``check`` (a :data:`kvpolicy.language.diagnostics.CHECKS` name) at ``location``
     below the model raising it, ``column`` characters into the value."""
     context = {"message": error.message, "column": error.column}
     return InitErrorDetails(type=PydanticCustomError(check, "{message}", context), loc=location, input=value)

@@ -1,4 +1,4 @@
-"""Layout documents back to YAML: the inverse of :mod:`kvpolicy.loader` for ``kind: ModelLayout``.
+"""Layout documents back to YAML: the inverse of :mod:`kvpolicy.documents.loader` for ``kind: ModelLayout``.
 
 :func:`dump_layout` writes the shape and key order of the hand-written layouts in
 ``examples/layouts/``, in block style, deterministically. Every scalar goes through PyYAML's safe
@@ -16,13 +16,13 @@ from typing import Any
 
 import yaml
 
-from kvpolicy.expressions import Expression
-from kvpolicy.models import FieldExpression, Group, Layout, Spec, Topology, expand_layer_pattern
+from kvpolicy.language.expressions import Expression
+from kvpolicy.language.models import FieldExpression, Group, Layout, Spec, Topology, expand_layer_pattern
 
 MIN_RANGE_LENGTH = 3
 """Shortest run of numbered layer names written as one ``{a..b}`` range; shorter runs stay literal."""
 MAX_RANGE_SPAN = 100_000
-"""Largest ``b - a`` the loader expands in one range (:func:`kvpolicy.models.expand_layer_pattern`)."""
+"""Largest ``b - a`` the loader expands in one range (:func:`kvpolicy.language.models.expand_layer_pattern`)."""
 FLOW_WIDTH = 100
 """Lists of scalars that fit in this many characters stay on one line (``[a, b]``), like ``bases``."""
 
@@ -93,7 +93,7 @@ def _is_scalar_tree(value: Any) -> bool:
 
 
 def dump_layout(layout: Layout, *, captured_at: Topology | None = None, schema: str | None = None) -> str:
-    """``layout`` as a YAML document that :func:`kvpolicy.loader.load_layout` reads back equal.
+    """``layout`` as a YAML document that :func:`kvpolicy.documents.loader.load_layout` reads back equal.
 
     ``schema`` (a path or URL of ``layout.schema.json``) adds the editor's ``yaml-language-server``
     line; ``captured_at`` is the topology of the vLLM instance the layout was read from, named in
