@@ -56,10 +56,13 @@ def measure(architecture: str, tp_size: int, timeout: float) -> dict[str, Any]:
     from kvpolicy.documents.settings import KVPolicySettings
     from kvpolicy.harness.e2e import EngineFailed, serve_once
     from kvpolicy.harness.zoo import shrink
-    from kvpolicy.harness.zoo.observe import ZooStore, build, engine_options
+    from kvpolicy.harness.zoo.observe import ZooStore, build, engine_options, error_line, in_bfloat16
 
     started = time.monotonic()
     copy = shrink(architecture)
+    swept = json.loads(SWEEP.read_text())["entries"].get(f"{architecture}@tp{tp_size}", {})
+    if swept.get("dtype") == "bfloat16" and copy.dtype != "bfloat16":
+        copy = in_bfloat16(copy, "as the sweep served it")
     with tempfile.TemporaryDirectory(prefix="kvpolicy-warm-path-") as scratch:
         model = build(copy, Path(scratch) / "model")
         with ZooStore(Path(scratch) / "store") as store:
@@ -74,7 +77,8 @@ def measure(architecture: str, tp_size: int, timeout: float) -> dict[str, Any]:
                 alone = serve_once(model, [], kv_transfer_config=None, repeat=True, **common(1))
                 together = serve_once(model, [], kv_transfer_config=None, repeat=True, **common(4))
             except EngineFailed as failure:
-                return {"architecture": architecture, "tp_size": tp_size, "error": str(failure).splitlines()[0][:300],
+                return {"architecture": architecture, "tp_size": tp_size,
+                        "error": error_line(failure.stdout, failure.stderr)[:300],
                         "wall_s": round(time.monotonic() - started, 1)}
     assert alone.repeat is not None and together.repeat is not None
     return {

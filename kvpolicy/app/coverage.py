@@ -67,12 +67,15 @@ def warm_path_markdown(path: Path = WARM_PATH) -> str:
         return "*No warm-path result yet: run `benchmarks/zoo_warm_path.py`.*\n"
     entries = json.loads(path.read_text(encoding="utf-8")).get("entries", {})
     measured = [entry for entry in entries.values() if "error" not in entry]
-    exact_bytes = [entry for entry in measured if entry["blocks"]["identical"] == entry["blocks"]["compared"]]
+    compared = [entry for entry in measured if entry["blocks"]["compared"]]
+    exact_bytes = [entry for entry in compared if entry["blocks"]["identical"] == entry["blocks"]["compared"]]
     like_vllm = [entry for entry in measured
                  if entry["warm"]["max_logprob_diff"] <= entry["vllm_prefix_alone"]["max_logprob_diff"]]
     lines = [
         f"- the prompt's blocks byte-identical warm vs cold, on every rank and KV cache tensor: {len(exact_bytes)} "
-        f"of {len(measured)} copies" + (f" ({len(entries) - len(measured)} failed to serve)" if len(measured) < len(entries) else ""),
+        f"of {len(compared)} copies"
+        + (f" ({len(measured) - len(compared)} with no full block held by both)" if len(compared) < len(measured) else "")
+        + (f"; {len(entries) - len(measured)} failed to serve" if len(measured) < len(entries) else ""),
         f"- warm differs from cold by no more than vLLM's own prefix hit does, alone: {len(like_vllm)} of {len(measured)}",
         "",
         "| architecture | TP | prompt blocks identical | warm vs cold | vLLM's own prefix hit: alone | together |",
@@ -84,7 +87,8 @@ def warm_path_markdown(path: Path = WARM_PATH) -> str:
             lines.append(f"| {_cell(entry['architecture'])} | {entry['tp_size']} | {_cell(entry['error'][:120])} | | | |")
             continue
         blocks = entry["blocks"]
-        identical = f"{blocks['identical']} / {blocks['compared']}"
+        identical = (f"{blocks['identical']} / {blocks['compared']}" if blocks["compared"]
+                     else "none held by both (a recurrent state is kept at the last boundary only)")
         if blocks["differing"]:
             identical += ": " + ", ".join(blocks["differing"][:3])
         lines.append("| " + " | ".join(_cell(value) for value in (

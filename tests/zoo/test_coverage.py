@@ -106,8 +106,19 @@ def test_a_copy_whose_prompt_blocks_came_back_otherwise_names_them(tmp_path: Pat
 
 def test_the_warm_path_counts_exact_bytes_and_differences_like_vllms_own(tmp_path: Path) -> None:
     page = _warm_path(tmp_path)
-    assert "byte-identical warm vs cold, on every rank and KV cache tensor: 1 of 2 copies (1 failed to serve)" in page
+    assert "byte-identical warm vs cold, on every rank and KV cache tensor: 1 of 2 copies; 1 failed to serve" in page
     assert "by no more than vLLM's own prefix hit does, alone: 1 of 2" in page
+
+
+def test_a_copy_with_no_full_block_held_by_both_engines_says_so(tmp_path: Path) -> None:
+    entries = WARM_PATH["entries"]
+    state_only = {**entries["LikeVllmForCausalLM@tp2"], "architecture": "StateForCausalLM",
+                  "blocks": {"compared": 0, "identical": 0, "differing": []}}
+    path = tmp_path / "zoo_warm_path.json"
+    path.write_text(json.dumps({"entries": {**entries, "StateForCausalLM@tp2": state_only}}))
+    page = warm_path_markdown(path)
+    assert "none held by both" in _row(page, "StateForCausalLM")
+    assert ": 1 of 2 copies (1 with no full block held by both); 1 failed to serve" in page
 
 
 def test_a_copy_whose_engines_failed_shows_the_error(tmp_path: Path) -> None:

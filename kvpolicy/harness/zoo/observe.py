@@ -280,6 +280,12 @@ BFLOAT16 = re.compile(r"bfloat16|\bbf16\b", re.IGNORECASE)
 """An engine error that asks for bfloat16 (a CPU kernel without a float32 path)."""
 
 
+def in_bfloat16(copy: TinyCopy, why: str) -> TinyCopy:
+    """The copy served in bfloat16 instead (a CPU kernel of vLLM takes no float32), its notes saying *why*."""
+    return dataclasses.replace(copy, dtype="bfloat16", config={**copy.config, "dtype": "bfloat16"},
+                               notes=(*copy.notes, f"served in bfloat16: {why}"))
+
+
 def observe_copy(
     copy: TinyCopy,
     directory: str | os.PathLike[str],
@@ -301,9 +307,7 @@ def observe_copy(
         else:
             yield copy, seen
     if refused:
-        config = {**copy.config, "dtype": "bfloat16"}
-        again = dataclasses.replace(copy, dtype="bfloat16", config=config,
-                                    notes=(*copy.notes, f"served in bfloat16: float32 refused ({refused[0][1]})"))
+        again = in_bfloat16(copy, f"float32 refused ({refused[0][1]})")
         model = build(again, Path(directory) / "model-bfloat16")
         for seen in observe(again, model, [tp for tp, _ in refused], out_dir, store=store, check_warm=check_warm,
                             timeout=timeout, stem=stem):
