@@ -47,6 +47,7 @@ __all__ = [
     "REPEATED_INITS",
     "SURFACE",
     "Internal",
+    "StoreCall",
     "RecvThread",
     "RepeatedInit",
     "SendThread",
@@ -605,6 +606,22 @@ def decorate_recv_stores(worker: StoreWorker, wrap: Callable[[ReadStore], ReadSt
         thread.store = wrap(thread.store)
 
 
+@dataclass(frozen=True)
+class StoreCall:
+    """One Mooncake call as the send thread records it in vLLM's connector stats (the arguments of
+    upstream's ``_record_operation``)."""
+
+    operation: str
+    """``save_exists``, ``save_put``, ..."""
+    start_time: float
+    """``time.perf_counter()`` when the call started."""
+    num_keys: int
+    num_bytes: int = 0
+    status: str = "ok"
+    """``ok``, ``partial_failure`` or ``error``."""
+    num_failed_keys: int = 0
+
+
 def record_operation(
     worker: StoreWorker, operation: str, seconds: float, num_keys: int, *, num_bytes: int = 0, status: str = "ok",
     num_failed_keys: int = 0,
@@ -754,9 +771,7 @@ def hooked_sending_thread() -> type:
             status: str = "ok",
             num_failed_keys: int = 0,
         ) -> None:
-            self.record_operation(
-                operation, start_time, num_keys, num_bytes=num_bytes, status=status, num_failed_keys=num_failed_keys
-            )
+            self.record_operation(StoreCall(operation, start_time, num_keys, num_bytes, status, num_failed_keys))
 
         def offload_boundary_states(self, req_meta: Any) -> bool:
             """A job's boundary puts (Mamba states, partial tails); upstream's: put them now."""
@@ -766,23 +781,15 @@ def hooked_sending_thread() -> type:
             """Upstream's ``_maybe_offload_boundary_states``: the boundary puts, now."""
             return KVCacheStoreSendingThread._maybe_offload_boundary_states(self, req_meta)
 
-        def record_operation(
-            self, operation: str, start_time: float, num_keys: int, *, num_bytes: int = 0, status: str = "ok",
-            num_failed_keys: int = 0,
-        ) -> None:
+        def record_operation(self, call: StoreCall) -> None:
             """One Mooncake call in vLLM's connector stats; upstream's: record it as given."""
-            self.upstream_record_operation(
-                operation, start_time, num_keys, num_bytes=num_bytes, status=status, num_failed_keys=num_failed_keys
-            )
+            self.upstream_record_operation(call)
 
-        def upstream_record_operation(
-            self, operation: str, start_time: float, num_keys: int, *, num_bytes: int = 0, status: str = "ok",
-            num_failed_keys: int = 0,
-        ) -> None:
+        def upstream_record_operation(self, call: StoreCall) -> None:
             """Upstream's ``_record_operation``."""
             KVCacheStoreSendingThread._record_operation(
-                self, operation, start_time, num_keys,
-                num_bytes=num_bytes, status=status, num_failed_keys=num_failed_keys,
+                self, call.operation, call.start_time, call.num_keys,
+                num_bytes=call.num_bytes, status=call.status, num_failed_keys=call.num_failed_keys,
             )
 
         def boundary_puts(self, req_meta: Any) -> Any:

@@ -34,6 +34,7 @@ from vllm.logger import init_logger
 from kvpolicy.language.keys import split_chunk_key
 from kvpolicy.runtime.ports import SendStore
 from kvpolicy.vllm import internals
+from kvpolicy.vllm.internals import StoreCall
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -197,32 +198,25 @@ class MergedSaveSendingThread(internals.hooked_sending_thread()):  # type: ignor
         if upstream.MOONCAKE_NO_AVAILABLE_HANDLE in codes:
             self.mark_request_skipped_for_pressure(req_meta)
 
-    def record_operation(
-        self,
-        operation: str,
-        start_time: float,
-        num_keys: int,
-        *,
-        num_bytes: int = 0,
-        status: str = "ok",
-        num_failed_keys: int = 0,
-    ) -> None:
+    def record_operation(self, call: StoreCall) -> None:
         """Upstream's record of a call, counting the boundary keys that rode on it (vLLM's
         ``save_exists`` / ``save_put`` telemetry then covers every key a job offered, as upstream's
         two rounds do)."""
         batch = self.pending_boundary_batch
-        if batch is not None and operation == "save_exists" and batch.unrecorded_exists:
-            num_keys += batch.unrecorded_exists
-            if status == "error":
-                num_failed_keys += batch.unrecorded_exists
+        if batch is not None and call.operation == "save_exists" and batch.unrecorded_exists:
+            riding = batch.unrecorded_exists
+            call = dataclasses.replace(
+                call, num_keys=call.num_keys + riding,
+                num_failed_keys=call.num_failed_keys + (riding if call.status == "error" else 0),
+            )
             batch.unrecorded_exists = 0
-        elif batch is not None and operation == "save_put" and batch.unrecorded_put is not None:
+        elif batch is not None and call.operation == "save_put" and batch.unrecorded_put is not None:
             keys, size, failed = batch.unrecorded_put
-            num_keys, num_bytes, num_failed_keys = num_keys + keys, num_bytes + size, num_failed_keys + failed
-            if failed and status == "ok":
-                status = "partial_failure"
+            call = dataclasses.replace(
+                call, num_keys=call.num_keys + keys, num_bytes=call.num_bytes + size,
+                num_failed_keys=call.num_failed_keys + failed,
+                status="partial_failure" if failed and call.status == "ok" else call.status,
+            )
             batch.unrecorded_put = None
-        self.upstream_record_operation(
-            operation, start_time, num_keys, num_bytes=num_bytes, status=status, num_failed_keys=num_failed_keys
-        )
+        self.upstream_record_operation(call)
 
