@@ -23,13 +23,15 @@ import math
 import os
 import stat
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
 from kvpolicy.language.diagnostics import printable_path
+from kvpolicy.language.models import Keyed, KeyFormat, Verified
 
 __all__ = [
     "CONNECTOR_CLASS",
@@ -40,7 +42,9 @@ __all__ = [
     "KVPolicySettings",
     "PolicySelection",
     "SIDE_FILES",
+    "SecretSource",
     "SettingsError",
+    "StoreProtection",
     "keys_path_beside",
     "policy_usage",
 ]
@@ -159,6 +163,25 @@ class KVPolicySettings(BaseModel):
     kvpolicy_striped_exchange: Literal["gloo", "nccl"] = "gloo"
     """The collective a striped load's stripes travel over: ``gloo`` (host staging) or ``nccl``
     (device buffers; not yet run on a GPU)."""
+    kvpolicy_secret: str | None = None
+    """Where the deployment's secret is: ``env:NAME`` (an environment variable) or ``file:PATH`` (a file
+    only its owner may read), never the secret itself. With it, store keys are keyed (a client without
+    the secret cannot compute, probe or pre-write them) unless ``kvpolicy_keyed_namespaces`` is false.
+    Instances with one secret share their cache; instances with different secrets share nothing."""
+    kvpolicy_previous_secret: str | None = None
+    """The secret before a rotation (same form as ``kvpolicy_secret``): lookups and loads also read what it
+    stored, saves never write with it, until ``kvpolicy_previous_secret_until``."""
+    kvpolicy_previous_secret_until: AwareDatetime | None = None
+    """When the rotation's grace period ends (ISO 8601 with a UTC offset): from then on the previous secret
+    is not read. Unset: read for as long as ``kvpolicy_previous_secret`` is set."""
+    kvpolicy_keyed_namespaces: bool | None = None
+    """Key chunk keys with the secret. Unset: keyed exactly when ``kvpolicy_secret`` is set (and the
+    policy's ``key.keyed`` is not ``off``); ``false`` keeps keys readable by routers, the secret then seals
+    objects only."""
+    kvpolicy_verify_objects: bool = False
+    """Seal every object with a MAC of its key and bytes under the secret and check it on every load; a
+    mismatch is a load failure (recomputed, counted, logged once per key), never loaded KV. Needs
+    ``kvpolicy_secret`` and KV caches in host memory (the CPU path; see the trust-boundary page)."""
 
     @field_validator("kvpolicy", mode="before")
     @classmethod
@@ -185,6 +208,19 @@ class KVPolicySettings(BaseModel):
             raise _problem(f"the path contains a NUL character ({_shown(text)}); give a file path without one")
         if text.endswith(("/", os.sep)) or os.path.basename(text) in (".", ".."):
             raise _problem(f"names a directory ({_shown(text)}); give the path of a file in it")
+        return value
+
+    @field_validator("kvpolicy_secret", "kvpolicy_previous_secret", mode="before")
+    @classmethod
+    def _secret_source(cls, value: object) -> object:
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise _problem(f"must be 'env:NAME' or 'file:PATH' as text, got a {type(value).__name__} (not shown)")
+        try:
+            SecretSource.parse(value)
+        except ValueError as error:
+            raise _problem(str(error)) from None
         return value
 
     @field_validator("kvpolicy_read_failure_ttl_s", mode="before")
@@ -227,6 +263,7 @@ class KVPolicySettings(BaseModel):
             problems[:0] = [_located(entry) for entry in error.errors()]
         if settings is not None:
             problems.extend(settings._shared_side_files())
+            problems.extend(settings._trust_problems())
             if check_side_files:
                 problems.extend(settings.side_file_problems())
         if problems:
@@ -277,6 +314,63 @@ class KVPolicySettings(BaseModel):
                     f"{earlier}; give each side file its own path"
                 )
         return problems
+
+    def _trust_problems(self) -> list[str]:
+        """Trust settings that contradict each other: one line each, at the key at fault."""
+        problems = []
+        lacking = "needs kvpolicy_secret (the secret it is made with); set it to 'env:NAME' or 'file:PATH'"
+        if self.kvpolicy_secret is None:
+            for key in ("kvpolicy_previous_secret", "kvpolicy_verify_objects"):
+                if getattr(self, key):
+                    problems.append(f"{EXTRA_CONFIG}.{key}: error: {lacking}")
+            if self.kvpolicy_keyed_namespaces:
+                problems.append(f"{EXTRA_CONFIG}.kvpolicy_keyed_namespaces: error: {lacking}")
+        elif self.kvpolicy_previous_secret == self.kvpolicy_secret:
+            problems.append(
+                f"{EXTRA_CONFIG}.kvpolicy_previous_secret: error: names the same source as kvpolicy_secret; "
+                "a rotation reads the old secret from another variable or file"
+            )
+        if self.kvpolicy_previous_secret_until is not None and self.kvpolicy_previous_secret is None:
+            problems.append(
+                f"{EXTRA_CONFIG}.kvpolicy_previous_secret_until: error: ends the grace period of no previous secret; "
+                "set kvpolicy_previous_secret too, or remove it"
+            )
+        return problems
+
+    def protection(self, key: KeyFormat) -> StoreProtection:
+        """What the store traffic gets under these settings and a policy's ``key`` section;
+        :class:`SettingsError` where the policy requires what the settings do not give, or forbids what
+        they ask."""
+        secret = self.kvpolicy_secret is not None
+        problems = []
+        if key.keyed is Keyed.OFF and self.kvpolicy_keyed_namespaces:
+            problems.append(
+                f"{EXTRA_CONFIG}.kvpolicy_keyed_namespaces: error: the policy's key.keyed is 'off' (its keys stay "
+                "readable by routers); remove the setting, or use a policy that allows keyed keys"
+            )
+        keyed = secret and key.keyed is not Keyed.OFF and self.kvpolicy_keyed_namespaces is not False
+        if key.keyed is Keyed.REQUIRED and not keyed:
+            why = "kvpolicy_keyed_namespaces is false" if secret else "no kvpolicy_secret is set"
+            problems.append(
+                f"{EXTRA_CONFIG}.kvpolicy_secret: error: the policy's key.keyed is 'required' but {why}; "
+                "name the deployment's secret ('env:NAME' or 'file:PATH')"
+            )
+        if key.verified is Verified.REQUIRED and not self.kvpolicy_verify_objects:
+            problems.append(
+                f"{EXTRA_CONFIG}.kvpolicy_verify_objects: error: the policy's key.verified is 'required'; "
+                "set it to true (with kvpolicy_secret)"
+            )
+        if problems:
+            raise SettingsError(tuple(problems))
+        return StoreProtection(keyed=keyed, verified=self.kvpolicy_verify_objects)
+
+    @property
+    def secret_sources(self) -> tuple[SecretSource | None, SecretSource | None]:
+        """(current, previous) secret sources, as set."""
+        return (
+            None if self.kvpolicy_secret is None else SecretSource.parse(self.kvpolicy_secret),
+            None if self.kvpolicy_previous_secret is None else SecretSource.parse(self.kvpolicy_previous_secret),
+        )
 
     @property
     def policy_name(self) -> str | None:
@@ -330,6 +424,48 @@ class KVPolicySettings(BaseModel):
             **upstream_fields,
             EXTRA_CONFIG: self.extra_config(upstream_extra),
         }
+
+
+@dataclass(frozen=True)
+class StoreProtection:
+    """What the deployment's secret does to the store traffic (:meth:`KVPolicySettings.protection`)."""
+
+    keyed: bool = False
+    """Chunk keys end in an HMAC under the secret instead of vLLM's block hash."""
+    verified: bool = False
+    """Every object carries a MAC of its key and bytes, checked on load."""
+
+
+@dataclass(frozen=True)
+class SecretSource:
+    """Where a secret lives: ``env:NAME`` (an environment variable) or ``file:PATH``; never the secret."""
+
+    kind: Literal["env", "file"]
+    name: str
+
+    @classmethod
+    def parse(cls, text: str) -> SecretSource:
+        """:class:`ValueError` saying what is wrong and the fix."""
+        kind, colon, name = text.partition(":")
+        if not colon or kind not in ("env", "file"):
+            # The value is never shown: it may be the secret itself.
+            raise ValueError(
+                "names no secret source (the value is not shown: it may be the secret itself); write 'env:NAME' "
+                "(an environment variable) or 'file:PATH' (a file only its owner may read), never the secret"
+            )
+        if not name:
+            raise ValueError(f"'{kind}:' names nothing; write '{kind}:{'NAME' if kind == 'env' else 'PATH'}'")
+        if "\0" in name:
+            raise ValueError(f"the {'name' if kind == 'env' else 'path'} contains a NUL character")
+        if kind == "env" and (not (name[0].isalpha() or name[0] == "_") or not all(c.isalnum() or c == "_" for c in name)):
+            raise ValueError(
+                "the text after 'env:' is not an environment variable name (a letter or '_', then letters, digits "
+                "and '_'; not shown: it may be the secret itself)"
+            )
+        return cls(kind, name)
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.name}"
 
 
 def keys_path_beside(plan_path: Path) -> Path:

@@ -379,6 +379,22 @@ class AuditMode(str, Enum):
     """Trust the policy without checking."""
 
 
+class Keyed(str, Enum):
+    OPTIONAL = "optional"
+    """Keys are keyed when the deployment names a secret (``kvpolicy_secret``), plain otherwise."""
+    REQUIRED = "required"
+    """Keys must be keyed: a deployment that names no secret refuses to start."""
+    OFF = "off"
+    """Keys stay plain (readable by routers) even with a secret, which then seals objects only."""
+
+
+class Verified(str, Enum):
+    OPTIONAL = "optional"
+    """Objects are sealed when the deployment asks (``kvpolicy_verify_objects``)."""
+    REQUIRED = "required"
+    """Objects must be sealed: a deployment that does not verify them refuses to start."""
+
+
 class Match(StrictModel):
     """Which layer specs a rule applies to. All given conditions must hold; none given matches all."""
 
@@ -426,6 +442,16 @@ class KeyFormat(StrictModel):
     template: str = Field(default=UPSTREAM_KEY_TEMPLATE, max_length=1000)
     """Key prefix template; fields: {cache_prefix} (rendered with a trailing '@' when set), {model},
     {store_namespace}, {fingerprint}, {shard}, {pcp_rank}, {dcp_rank}, {pp_rank}, {group}."""
+
+    keyed: Keyed = Keyed.OPTIONAL
+    """Keyed namespaces: a chunk key's last part is an HMAC of the key under the deployment's secret, so
+    nobody without the secret can compute, probe or pre-write a key (routers cannot read them either).
+    ``optional``: when the deployment names a secret; ``required``: refuse to start without one;
+    ``off``: never."""
+    verified: Verified = Verified.OPTIONAL
+    """Verified objects: each object carries a MAC of its key and bytes under the deployment's secret,
+    checked on every load (a mismatch is a load failure, recomputed). ``optional``: when the deployment
+    sets ``kvpolicy_verify_objects``; ``required``: refuse to start without it."""
 
     @field_validator("template")
     @classmethod

@@ -450,7 +450,10 @@ NOT_FINGERPRINTED: Mapping[type, Mapping[str, str]] = MappingProxyType({
     },
     Rule: {"name": _DECIDED_BY_THE_RULES, "reason": _DECIDED_BY_THE_RULES},
     Match: {},
-    KeyFormat: {},
+    KeyFormat: {
+        "keyed": "a requirement on the deployment; its secret keys the chunk part of every key it writes",
+        "verified": "a requirement on the deployment; sealed objects get their own keyed keys",
+    },
     Audit: {"mode": "see Policy.audit", "steps": "see Policy.audit"},
     Layout: {
         "version": _DOCUMENT,
