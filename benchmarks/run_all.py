@@ -2,8 +2,8 @@
 
     python benchmarks/run_all.py [--only NAME ...] [--skip NAME ...]
 
-NAME is one of plan, cli, write_amplification, cross_tp, data_path, lookup, striped_reads, e2e, all_miss,
-audit, discovery, hybrid_engines, fleet_load (e.g. ``--skip e2e``).
+NAME is one of plan, cli, write_amplification, cross_tp, data_path, seal_cost, lookup, striped_reads, e2e,
+all_miss, audit, discovery, hybrid_engines, fleet_load (e.g. ``--skip e2e``).
 
 Each benchmark starts and stops its own Mooncake master (``bench_plan`` needs none); they run one after
 the other, so none measures while another loads the machine. Default arguments throughout: about
@@ -24,8 +24,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 BENCHMARKS = (
-    "plan", "cli", "write_amplification", "cross_tp", "data_path", "lookup", "striped_reads", "e2e", "all_miss",
-    "audit", "discovery", "hybrid_engines", "fleet_load",
+    "plan", "cli", "write_amplification", "cross_tp", "data_path", "seal_cost", "lookup", "striped_reads", "e2e",
+    "all_miss", "audit", "discovery", "hybrid_engines", "fleet_load",
 )
 FENCED = {"plan"}
 """Benchmarks whose output is a plain-text table, shown in a code block."""

@@ -76,6 +76,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "core/test_traffic.py": "pure",
     "core/test_validation_fast_paths.py": "pure",
     "core/test_settings.py": "pure",
+    "core/test_trust_settings.py": "pure",
     "faults/test_fuzz_loader.py": "pure",
     # --- the run-time policy without vLLM (in-memory store, list collective, hand clock) --------------
     "runtime/test_rank_discovery.py": "pure",
@@ -84,6 +85,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "runtime/test_policy.py": "pure",
     "runtime/test_binding.py": "pure",
     "runtime/test_dynamo_descriptor_file.py": "pure",
+    "runtime/test_trust.py": "pure",
     # --- the command line -----------------------------------------------------------------------
     "cli/test_cli.py": "pure",
     "cli/test_command_line.py": ("pure", "contract"),
@@ -159,6 +161,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "faults/test_mixed_fleets.py": "sim",
     "faults/test_mooncake_faults.py": "sim",
     "integration/test_mooncake_master.py": "sim",
+    "integration/test_protected_store.py": "sim",
     # --- real engines, servers, hosts -------------------------------------------------------------
     f"{C}/test_vllm_033.py": "engine",
     "e2e/test_audit_engine.py": "engine",
@@ -166,6 +169,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     "e2e/test_hybrid_engine.py": "engine",
     "e2e/test_layer_kv_heads_engine.py": "engine",
     "e2e/test_load_failure_engine.py": "engine",
+    "e2e/test_poisoned_store_engine.py": "engine",
     "e2e/test_shared_memory_reclaim.py": "contract",
     "e2e/test_openai_server.py": "engine",
     "e2e/test_vllm_engine.py": "engine",

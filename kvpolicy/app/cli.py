@@ -42,10 +42,17 @@ from kvpolicy.documents.report import (
     traffic_to_json,
     versioned,
 )
-from kvpolicy.evidence.routers import RouterExportError, check_dynamo_descriptor, dynamo_descriptor, dynamo_refusals
+from kvpolicy.evidence.routers import (
+    KEYED_KEYS_UNREADABLE,
+    RouterExportError,
+    check_dynamo_descriptor,
+    dynamo_descriptor,
+    dynamo_refusals,
+    keyed_keys_fix,
+)
 from kvpolicy.language import catalog
 from kvpolicy.language.diagnostics import DocumentError, PlanError, printable_path
-from kvpolicy.language.models import KV_CACHE_LAYOUTS, Layout, Policy
+from kvpolicy.language.models import KV_CACHE_LAYOUTS, Keyed, Layout, Policy
 from kvpolicy.planning.contract import KeyContract, key_contract
 from kvpolicy.planning.engine import make_plan, plan_deployment
 from kvpolicy.planning.plan import Plan
@@ -217,7 +224,17 @@ def _one_or_list(payloads: list[Any]) -> Any:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    contracts = [(key_contract(result, layout), layout) for result, layout, _ in _planned(args)]
+    policy, planned = _planned_with_policy(args)
+    if args.keyed and policy.key.keyed is Keyed.OFF:
+        print(f"error: --keyed: the policy's key.keyed is 'off' ({args.policy}): its deployments never key their keys")
+        return 2
+    keyed = args.keyed or policy.key.keyed is Keyed.REQUIRED
+    if keyed and args.format == "dynamo":
+        why = "--keyed" if args.keyed else f"{args.policy}: key.keyed is 'required'"
+        fix = keyed_keys_fix(policy_requires=policy.key.keyed is Keyed.REQUIRED)
+        print(f"error: no Dynamo descriptor ({why}): keyed namespaces: {KEYED_KEYS_UNREADABLE}; {fix}")
+        return 1
+    contracts = [(key_contract(result, layout, keyed=keyed), layout) for result, layout, _ in planned]
     if args.format == "dynamo":
         return _dynamo(contracts)
     if args.format == "json":
@@ -555,6 +572,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "keys":
             command.add_argument(
                 "--cache-prefix", default="", metavar="PREFIX", help="kv_connector_extra_config cache_prefix"
+            )
+            command.add_argument(
+                "--keyed", action="store_true",
+                help="the deployment names kvpolicy_secret (keyed namespaces): chunk keys end in an HMAC only its "
+                "secret computes, which routers cannot read (implied by a policy whose key.keyed is 'required')",
             )
         command.add_argument("--policy", required=True, help="a shipped policy's name or a path")
         command.add_argument("--layout", required=True, help="an example layout's name or a path")

@@ -21,7 +21,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ValidationError
 
 from kvpolicy.evidence.discovery import DiscoveryReport
-from kvpolicy.evidence.routers import template_router_problems
+from kvpolicy.evidence.routers import KEYED_KEYS_UNREADABLE, keyed_keys_fix, template_router_problems
 from kvpolicy.language import catalog
 from kvpolicy.language.diagnostics import CHECKS_BY_NAME, Diagnostic, DocumentError, printable_path
 from kvpolicy.language.expressions import Expression, ExpressionError
@@ -29,6 +29,7 @@ from kvpolicy.language.models import (
     SPEC_VARIABLES,
     AuditMode,
     FieldExpression,
+    Keyed,
     Layout,
     Policy,
     expression_variables,
@@ -619,6 +620,13 @@ def _router_checks(policy: Policy, source: SourceMap) -> Iterator[Diagnostic]:
     the key contract states them (:func:`kvpolicy.evidence.routers.template_router_problems`), at the
     template, at the field at fault where one is. A policy without a template keeps vLLM's keys,
     which routers were written for."""
+    if policy.key.keyed is Keyed.REQUIRED:
+        yield source.diagnostic(
+            ("key", "keyed"),
+            f"the policy requires keyed namespaces: {KEYED_KEYS_UNREADABLE}; {keyed_keys_fix(policy_requires=True)}",
+            code="KVP206",
+            severity="warning",
+        )
     location: Path = ("key", "template")
     if source.value_position(location) is None:
         return

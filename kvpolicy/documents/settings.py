@@ -462,7 +462,7 @@ class SecretSource:
                 "the text after 'env:' is not an environment variable name (a letter or '_', then letters, digits "
                 "and '_'; not shown: it may be the secret itself)"
             )
-        return cls(kind, name)
+        return cls("env" if kind == "env" else "file", name)
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.name}"
@@ -539,6 +539,15 @@ def _unknown_key(key: str, known: tuple[str, ...]) -> str:
 def _located(entry: Mapping[str, Any]) -> str:
     where = ".".join(str(part) for part in (EXTRA_CONFIG, *entry["loc"]))
     message = entry["msg"]
-    if entry["type"] != "kvpolicy_setting":
-        message = f"{message}, got {entry['input']!r}"
+    if entry["type"] != "kvpolicy_setting" and not set(entry["loc"][:1]) & _NEVER_ECHOED:
+        message = f"{message}, got {_quoted(entry['input'])}"
     return f"{where}: error: {message}"
+
+
+_NEVER_ECHOED = frozenset({"kvpolicy_secret", "kvpolicy_previous_secret"})  # what they hold may be the secret
+_ECHO_LIMIT = 120
+
+
+def _quoted(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= _ECHO_LIMIT else f"{text[:_ECHO_LIMIT]}... ({len(text) - _ECHO_LIMIT} more characters)"

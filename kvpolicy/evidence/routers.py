@@ -629,6 +629,26 @@ def _group_kind(index: int, name: str, group: Group, variables: Mapping[str, Any
     return kinds[0]  # type: ignore[return-value]
 
 
+KEYED_KEYS_UNREADABLE = (
+    "each chunk key ends in an HMAC under the deployment's secret, not vLLM's block hash, so a "
+    "router (Dynamo, Mooncake Conductor) cannot compute or read it"
+)
+"""Why routers cannot use keyed keys: said wherever a router's view of the keys is asked for."""
+
+
+def keyed_keys_fix(*, policy_requires: bool) -> str:
+    """How to keep keys router-readable: a policy that requires keyed namespaces must first allow them
+    off (settings cannot override a requirement); verified objects still refuse tampered ones."""
+    settings = "set kvpolicy_keyed_namespaces: false (kvpolicy_verify_objects still refuses tampered objects)"
+    return f"to keep keys router-readable set the policy's key.keyed to 'optional' and {settings}" if policy_requires else (
+        f"to keep keys router-readable {settings}"
+    )
+
+
+KEYED_FOR_ROUTERS = f"{KEYED_KEYS_UNREADABLE}; {keyed_keys_fix(policy_requires=False)}"
+"""The why and the fix for a deployment whose policy lets keyed namespaces be turned off."""
+
+
 def dynamo_descriptor(contract: KeyContract, layout: Layout, deployment: DynamoDeployment | None = None) -> DynamoDescriptor:
     """The descriptor Dynamo's router reads, of the plan ``contract`` states (``layout`` is the layout
     it was planned from): per group its kind, geometry and lookup prefixes; ``deployment`` (default:
@@ -639,6 +659,8 @@ def dynamo_descriptor(contract: KeyContract, layout: Layout, deployment: DynamoD
     ``prefix_match_unit``). Raises :class:`RouterExportError` when a group has no Dynamo kind (MLA and
     every other spec class but the three) or no group is full attention: a descriptor leaving a group
     out would credit hits the store cannot serve."""
+    if contract.chunk_key.chunk_hash == "keyed-hmac-hex":
+        raise RouterExportError((f"keyed namespaces: {KEYED_FOR_ROUTERS}",))
     deployment = deployment or DynamoDeployment()
     topology = contract.topology
     variables = topology_variables(topology, layout.total_num_kv_heads)

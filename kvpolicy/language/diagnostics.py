@@ -345,6 +345,21 @@ CHECKS: tuple[Check, ...] = (
         fixed=_validate(_POLICY_HEAD + f"key:\n  template: \"{_PLAN_IN_NAMESPACE}\"\nrules: []\n"),
     ),
     Check(
+        "KVP206", "keyed-keys", "warning",
+        "The policy requires keyed namespaces, whose keys no router can read.",
+        "With `key.keyed: required` every deployment of the policy names a secret, and each chunk key ends in an "
+        "HMAC under it instead of vLLM's block hash. Nobody without the secret can compute, probe or pre-write a "
+        "key; routers that read store keys (Mooncake Conductor, Dynamo) cannot either, so `kvpolicy keys --format "
+        "dynamo` refuses and Conductor's view of the keys is meaningless. Keep it where the store must resist "
+        "poisoning more than it must be routed; otherwise keep keys plain and verify objects instead.",
+        _validate(_POLICY_HEAD + "key:\n  keyed: required\nrules: []\n"),
+        why=(
+            "A router that cannot read keys routes blindly: no error, just hits lost. Whether that is the right "
+            "price for a store nobody can poison is a deployment's decision, so the policy says it out loud."
+        ),
+        fixed=_validate(_POLICY_HEAD + "key:\n  keyed: \"off\"\n  verified: required\nrules: []\n"),
+    ),
+    Check(
         "KVP301", "plan-refused", "error",
         "The engine cannot prove a plan consistent for this layout and topology (or vLLM refuses the topology).",
         "`plan`, `explain`, `keys` and the connector refuse a plan they cannot prove safe: a `strict: true` policy "

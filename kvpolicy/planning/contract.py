@@ -29,11 +29,13 @@ class ChunkKey(StrictModel):
 
     format: Literal["{prefix}@{chunk_hash}"] = CHUNK_KEY_FORMAT
     """The key of one chunk: its namespace's prefix, ``@``, then the chunk hash."""
-    chunk_hash: Literal["block-hash-hex"] = "block-hash-hex"
-    """What ``{chunk_hash}`` is: the lowercase hex of vLLM's block hash (``BlockHash.hex()``) of the
-    chunk's last hash block, i.e. the chained prefix-cache hash of the tokens up to the chunk's end
-    (``--prefix-caching-hash-algo``, sha256 by default). A boundary state is keyed by the chunk that
-    ends at the checkpoint."""
+    chunk_hash: Literal["block-hash-hex", "keyed-hmac-hex"] = "block-hash-hex"
+    """What ``{chunk_hash}`` is. ``block-hash-hex``: the lowercase hex of vLLM's block hash
+    (``BlockHash.hex()``) of the chunk's last hash block, i.e. the chained prefix-cache hash of the
+    tokens up to the chunk's end (``--prefix-caching-hash-algo``, sha256 by default). A boundary state
+    is keyed by the chunk that ends at the checkpoint. ``keyed-hmac-hex`` (keyed namespaces): 32 hex
+    digits of an HMAC-SHA256, under a key derived from the deployment's secret, of the key spelled with
+    the block hash; nobody without the secret (routers included) can compute it."""
 
 
 class RankWrites(StrictModel):
@@ -119,9 +121,10 @@ class KeyContract(StrictModel):
     """Per group, in the plan's order."""
 
 
-def key_contract(plan: Plan, layout: Layout) -> KeyContract:
-    """The key contract of ``plan``, the plan of ``layout``. Raises :class:`PlanError` for a contract
-    of more than :data:`MAX_CONTRACT_PREFIXES` prefixes, before building any."""
+def key_contract(plan: Plan, layout: Layout, *, keyed: bool = False) -> KeyContract:
+    """The key contract of ``plan``, the plan of ``layout``; ``keyed``: the deployment keys its chunk
+    keys with a secret. Raises :class:`PlanError` for a contract of more than
+    :data:`MAX_CONTRACT_PREFIXES` prefixes, before building any."""
     topology = plan.topology
     stages = topology.pcp_size * topology.pp_size
     listed = sum(stages * len(rank.key_shards) for group in plan.groups for rank in group.ranks)
@@ -176,5 +179,6 @@ def key_contract(plan: Plan, layout: Layout) -> KeyContract:
         topology=topology,
         fingerprint=plan.fingerprint,
         template=plan.key_template,
+        chunk_key=ChunkKey(chunk_hash="keyed-hmac-hex") if keyed else ChunkKey(),
         groups=tuple(groups),
     )

@@ -58,6 +58,7 @@ from kvpolicy.runtime.markers import (
 from kvpolicy.runtime.ports import Clock, Gather, KVStore
 from kvpolicy.runtime.read_failures import ReadFailures
 from kvpolicy.runtime.tally import Tally
+from kvpolicy.runtime.trust import Keyring, ProtectedStore, SealFailures
 
 # Under "vllm." so records reach vLLM's own handler when it runs in vLLM (it configures that tree only).
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -207,17 +208,22 @@ class RankPolicy:
         read_failure_ttl_s: float = DEFAULT_READ_FAILURE_TTL_S,
         clock: Clock = time.monotonic,
         prefix_cacheable: Sequence[bool] | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
         self.policy = policy
         """The policy the plans are made from."""
-        self.store = store
-        """The rank's store client, for the markers."""
+        self.tally = Tally()
+        """kvpolicy's counters since the last stats."""
+        self.keyring = keyring
+        """The deployment's secrets (keyed namespaces, sealed objects); None: the store sees vLLM's keys and bytes."""
+        self.store: KVStore = store if keyring is None else ProtectedStore(
+            store, keyring, failures=SealFailures(self.tally.object_refused)
+        )
+        """The rank's store client (markers, lookups): under a keyring, the client wrapped in it."""
         self.place = place
         """Where this rank sits in the instance."""
         self.read_failures = ReadFailures(read_failure_ttl_s, clock=clock)
         """Keys whose read failed lately; lookups report them missing."""
-        self.tally = Tally()
-        """kvpolicy's counters since the last stats."""
         self.gate = LookupGate(pcp_rank=place.pcp_rank, pp_rank=place.pp_rank)
         """Keeps lookups off shared namespaces no audit has verified."""
         self.binding: RankBinding | None = None
@@ -244,8 +250,10 @@ class RankPolicy:
         dynamo_deployment: DynamoDeployment | None = None,
         prefix_cacheable: Sequence[bool] | None = None,
         clock: Clock = time.monotonic,
+        keyring: Keyring | None = None,
     ) -> RankPolicy:
-        """The run-time policy the connector's ``settings`` configure (status documents, read-failure TTL)."""
+        """The run-time policy the connector's ``settings`` configure (status documents, read-failure TTL);
+        ``keyring``: the secrets they name, read (:func:`kvpolicy.runtime.trust.keyring_for`)."""
         return cls(
             policy,
             store=store,
@@ -258,6 +266,7 @@ class RankPolicy:
             read_failure_ttl_s=settings.kvpolicy_read_failure_ttl_s,
             clock=clock,
             prefix_cacheable=prefix_cacheable,
+            keyring=keyring,
         )
 
     # --- the plan ---------------------------------------------------------------------------------
@@ -377,7 +386,7 @@ class RankPolicy:
         if self._keys_json is not None or self._dynamo_json is not None:
             if self._layout is None:
                 raise RuntimeError("a key contract needs the layout the plan was made from (RankPolicy.start)")
-            contract = key_contract(state.plan, self._layout)
+            contract = key_contract(state.plan, self._layout, keyed=self.keyring is not None and self.keyring.current.keyed)
             if self._keys_json is not None:
                 text = json.dumps(contract.model_dump(mode="json"), indent=2) + "\n"
                 # Unset, kvpolicy_keys_json is beside the plan file (KVPolicySettings.keys_json_path).

@@ -31,13 +31,15 @@ class TallyData(TypedDict):
     demotions: dict[str, int]
     """Per group (its index as a string), the audits that demoted it."""
     lookups_gated: int
+    objects_refused: int
+    """Loads refused because the object's seal did not verify (verified objects)."""
     plan: list[dict[str, str]] | None
     """:func:`plan_info` of the plan last published, None when none was."""
 
 
 def empty_tally() -> TallyData:
     """No counts yet."""
-    return {"groups": {}, "audit": {}, "demotions": {}, "lookups_gated": 0, "plan": None}
+    return {"groups": {}, "audit": {}, "demotions": {}, "lookups_gated": 0, "objects_refused": 0, "plan": None}
 
 
 class Tally:
@@ -71,6 +73,12 @@ class Tally:
     def lookup_gated(self) -> None:
         with self._lock:
             self._data["lookups_gated"] += 1
+            self._dirty = True
+
+    def object_refused(self) -> None:
+        """One load refused: the object's seal did not verify."""
+        with self._lock:
+            self._data["objects_refused"] += 1
             self._dirty = True
 
     def plan(self, plan: Plan) -> None:

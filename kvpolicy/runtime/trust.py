@@ -29,6 +29,7 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 import stat
 import threading
 import time
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpolicy.documents.settings import EXTRA_CONFIG, KVPolicySettings, SecretSource, SettingsError, StoreProtection
+from kvpolicy.language.keys import chunk_key, split_chunk_key
 
 __all__ = [
     "MAX_SECRET_FILE_BYTES",
@@ -110,7 +112,7 @@ def read_secret(source: SecretSource, *, environ: dict[str, str] | None = None) 
     if source.kind == "env":
         value = (os.environ if environ is None else environ).get(source.name)
         if value is None:
-            raise SecretError(f"the environment variable {source.name} is not set; export it on every host of the deployment")
+            raise SecretError(f"{_variable(source.name)} is not set; export it on every host of the deployment")
         return DeploymentSecret(value.encode().removesuffix(b"\n"))
     path = Path(source.name)
     shown = _shown(source.name)
@@ -195,9 +197,8 @@ class Namespaces:
         last ``@``), ``@``, and the HMAC of the whole logical key (:data:`MAC_HEX_DIGITS` hex digits)."""
         if not self.keyed:
             return key
-        namespace, separator, _ = key.rpartition("@")
-        mac = hmac.digest(self._key_key, key.encode(), "sha256").hex()[:MAC_HEX_DIGITS]
-        return f"{namespace}{separator}{mac}"
+        namespace, _ = split_chunk_key(key)
+        return chunk_key(namespace, hmac.digest(self._key_key, key.encode(), "sha256").hex()[:MAC_HEX_DIGITS])
 
     def seal(self, physical_key: str, regions: Iterable[memoryview]) -> bytes:
         """The seal of an object: HMAC-SHA256 of its physical key's length and text, then its bytes."""
@@ -223,6 +224,16 @@ class Keyring:
         if self.previous is None or (self.previous_until is not None and self.clock() >= self.previous_until):
             return (self.current,)
         return (self.current, self.previous)
+
+    def describe(self) -> str:
+        """What the keyring does, for the start-up log: the options on and the secrets' key ids (never the secrets)."""
+        current = self.current
+        options = [name for name, on in (("keyed namespaces", current.keyed), ("verified objects", current.sealed)) if on]
+        text = f"{' and '.join(options)} with the secret of key id {current.secret.key_id}"
+        if self.previous is not None:
+            until = "" if self.previous_until is None else f" until {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(self.previous_until))}"
+            text += f"; the previous secret (key id {self.previous.secret.key_id}) is read{until}"
+        return text
 
     @property
     def writes_only(self) -> Keyring:
@@ -360,6 +371,7 @@ class ProtectedStore:
             if len(value) > SEAL_BYTES and hmac.compare_digest(seal, namespaces.seal(physical, (memoryview(body),))):
                 return body
             self.failures.record(key, "its seal does not match")
+            self._inner.remove(physical, True)  # as in batch_get_into_multi_buffers: else never replaced
         return b""
 
     def remove(self, key: str, force: bool = False) -> int:
@@ -396,26 +408,21 @@ class ProtectedStore:
         addrs, sizes, *rest = args
         codes: list[int] = [-1] * len(keys)
         pending = list(range(len(keys)))
-        readable = self.keyring.readable()
-        refused: dict[int, str] = {}
-        for namespaces in readable:
+        refused: list[tuple[int, str]] = []
+        for namespaces in self.keyring.readable():
             if not pending:
                 break
             answers = self._get(namespaces, [keys[index] for index in pending],
                                 [addrs[index] for index in pending], [sizes[index] for index in pending], rest)
-            still = []
             for index, answer in zip(pending, answers, strict=True):
                 codes[index] = answer
-                if answer < 0:
-                    still.append(index)
-                    if answer == SEAL_MISMATCH:
-                        refused[index] = namespaces.physical(keys[index])
-                else:
-                    refused.pop(index, None)
-            pending = still
-        for index, physical in refused.items():
-            self.failures.record(keys[index], "its seal does not match its key and bytes")
-            # The first write of a key stays: a bad object would be refused on every load until evicted.
+                if answer == SEAL_MISMATCH:
+                    refused.append((index, namespaces.physical(keys[index])))
+            pending = [index for index in pending if codes[index] < 0]
+        for index, physical in refused:
+            self.failures.record(keys[index], "it carries no seal that matches its key and bytes")
+            # Mooncake keeps the first write of a key: a bad object left there would be refused on every
+            # load (and, under the current secret, never replaced by a save) until evicted.
             self._inner.remove(physical, True)
         return codes
 
@@ -435,6 +442,8 @@ class ProtectedStore:
             ))
             for index, answer in enumerate(answers):
                 if answer < 0:
+                    if self._unsealed(physical[index], sum(sizes[index])):
+                        answers[index] = SEAL_MISMATCH
                     continue
                 expected = namespaces.seal(physical[index], self._regions(addrs[index], sizes[index]))
                 if not hmac.compare_digest(expected, bytes(self._memory(slots[index], SEAL_BYTES))):
@@ -442,6 +451,16 @@ class ProtectedStore:
                 else:
                     answers[index] = answer - SEAL_BYTES
             return answers
+
+    def _unsealed(self, physical: str, length: int) -> bool:
+        """The object at ``physical`` exists but is not ``length`` bytes and a seal: written without one
+        (or by someone else). Mooncake refuses such a read for its size; without this check the object
+        would stay, and its key's saves would keep being skipped as present."""
+        get_size = getattr(self._inner, "get_size", None)
+        if get_size is None:
+            return False
+        size = int(get_size(physical))
+        return size >= 0 and size != length + SEAL_BYTES
 
     def batch_get_replica_desc(self, keys: list[str]) -> Any:
         physical = [self.keyring.current.physical(key) for key in keys]
@@ -467,6 +486,18 @@ class ProtectedStore:
 
     def close(self) -> Any:
         return self._inner.close()
+
+
+_CONVENTIONAL_VARIABLE = re.compile(r"[A-Z_][A-Z0-9_]{0,63}")
+_HEX_DIGITS = frozenset("0123456789ABCDEF")
+
+
+def _variable(name: str) -> str:
+    # A secret pasted where its variable's name belongs ('env:<secret>') must not reach a log; names are
+    # shown only when they look like one (upper case, not all hex digits), which secrets rarely do.
+    if _CONVENTIONAL_VARIABLE.fullmatch(name) and not set(name) <= _HEX_DIGITS:
+        return f"the environment variable {name}"
+    return "the environment variable it names (not shown: the name does not look like one and may be the secret)"
 
 
 def _shown(value: str, limit: int = 120) -> str:

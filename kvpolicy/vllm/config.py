@@ -16,11 +16,12 @@ from kvpolicy.language.diagnostics import Diagnostic
 from kvpolicy.language.models import Policy
 from kvpolicy.planning.store_layout import StoreSharding
 from kvpolicy.runtime.ports import Gather, PeerExchange
+from kvpolicy.runtime.trust import Keyring, keyring_for
 
 if TYPE_CHECKING:
     from vllm.config import CacheConfig, ModelConfig
 
-__all__ = ["KVPolicyConfigError", "StoreTarget", "WorkerSetup", "dynamo_deployment", "parse_settings"]
+__all__ = ["KVPolicyConfigError", "StoreTarget", "WorkerSetup", "dynamo_deployment", "parse_settings", "read_keyring"]
 
 
 class KVPolicyConfigError(ValueError):
@@ -41,6 +42,16 @@ def parse_settings(extra_config: Mapping[str, Any], *, check_side_files: bool = 
     are also judged against this host's files: a directory, a missing or unwritable parent."""
     try:
         return KVPolicySettings.parse(extra_config, check_side_files=check_side_files)
+    except SettingsError as error:
+        raise KVPolicyConfigError(str(error)) from None
+
+
+def read_keyring(settings: KVPolicySettings, policy: Policy) -> Keyring | None:
+    """The deployment's secrets, read, for what ``settings`` and the policy's ``key`` section ask
+    (None: neither keyed namespaces nor verified objects); :class:`KVPolicyConfigError` with every
+    problem: a requirement of the policy the settings do not meet, a secret that cannot be read."""
+    try:
+        return keyring_for(settings, settings.protection(policy.key))
     except SettingsError as error:
         raise KVPolicyConfigError(str(error)) from None
 
@@ -76,6 +87,8 @@ class WorkerSetup:
     """The striped loads' exchange (None: over vLLM's TP group)."""
     source: Literal["engine", "simulation"] = "engine"
     """What a discovery report says observed it."""
+    keyring: Keyring | None = None
+    """The deployment's secrets (:func:`read_keyring`); None: keys and objects as vLLM writes them."""
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ METRICS: dict[str, str] = {
     "vllm:kvpolicy_audit_steps_total": "Replication-audit steps, by outcome (agreed, mismatch).",
     "vllm:kvpolicy_demotions_total": "Groups the replication audit demoted to factor 1, per group.",
     "vllm:kvpolicy_lookups_gated_total": "Lookups answered as a miss because the audit gate was closed.",
+    "vllm:kvpolicy_objects_refused_total": "Loads refused because the object's seal did not match its key and bytes "
+    "(kvpolicy_verify_objects): recomputed, never loaded.",
 }
 """Every series kvpolicy adds to vLLM's ``/metrics``, with its help text."""
 
@@ -106,6 +108,7 @@ def _merge_kvpolicy(into: dict[str, Any], other: Mapping[str, Any]) -> None:
         for key, value in other.get(section, {}).items():
             into[section][key] = into[section].get(key, 0) + int(value)
     into["lookups_gated"] += int(other.get("lookups_gated", 0))
+    into["objects_refused"] += int(other.get("objects_refused", 0))
     if other.get("plan") is not None:
         into["plan"] = other["plan"]
 
@@ -128,7 +131,8 @@ class KVPolicyConnectorStats(KVConnectorStats):
     def is_empty(self) -> bool:
         kvpolicy = self.data["kvpolicy"]
         return not self.data["mooncake"] and not any(
-            (kvpolicy["groups"], kvpolicy["audit"], kvpolicy["demotions"], kvpolicy["lookups_gated"], kvpolicy["plan"])
+            (kvpolicy["groups"], kvpolicy["audit"], kvpolicy["demotions"], kvpolicy["lookups_gated"],
+             kvpolicy["objects_refused"], kvpolicy["plan"])
         )
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -150,6 +154,7 @@ class KVPolicyConnectorStats(KVConnectorStats):
         reduced["kvpolicy_bytes_saved_by_dedup"] = undeduplicated - written
         reduced["kvpolicy_puts_skipped_existing"] = sum(entry["puts_skipped_existing"] for entry in groups)
         reduced["kvpolicy_lookups_gated"] = self.data["kvpolicy"]["lookups_gated"]
+        reduced["kvpolicy_objects_refused"] = self.data["kvpolicy"]["objects_refused"]
         return reduced
 
 
@@ -191,6 +196,10 @@ class KVPolicyPromMetrics(MooncakeStorePromMetrics):
             name="vllm:kvpolicy_lookups_gated", documentation=METRICS["vllm:kvpolicy_lookups_gated_total"],
             labelnames=labelnames,
         )
+        self._refused = internals.counter_class(self)(
+            name="vllm:kvpolicy_objects_refused", documentation=METRICS["vllm:kvpolicy_objects_refused_total"],
+            labelnames=labelnames,
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         if not transfer_stats_data:
@@ -217,3 +226,5 @@ class KVPolicyPromMetrics(MooncakeStorePromMetrics):
             self._demotions.labels(*engine, group).inc(count)
         if kvpolicy.get("lookups_gated"):
             self._gated.labels(*engine).inc(kvpolicy["lookups_gated"])
+        if kvpolicy.get("objects_refused"):
+            self._refused.labels(*engine).inc(kvpolicy["objects_refused"])

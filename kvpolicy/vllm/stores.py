@@ -16,11 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from kvpolicy.device.striped import KVStorages, StripedReadStore, torchcomms_enabled
-from kvpolicy.documents.settings import KVPolicySettings
+from kvpolicy.documents.settings import EXTRA_CONFIG, KVPolicySettings
 from kvpolicy.runtime.policy import RankPolicy
 from kvpolicy.runtime.ports import PeerExchange, ReadStore, SendStore
 from kvpolicy.runtime.read_failures import RecordingReadStore
+from kvpolicy.runtime.trust import ProtectedStore
 from kvpolicy.vllm import internals
+from kvpolicy.vllm.config import KVPolicyConfigError
 from kvpolicy.vllm.internals import StoreWorker
 from kvpolicy.vllm.metrics import CountingStore
 from kvpolicy.vllm.send import MergedSaveSendingThread
@@ -32,9 +34,14 @@ logger = logging.getLogger("vllm.kvpolicy.vllm.worker")
 
 __all__ = ["RECEIVE_STACK", "SEND_STACK", "StripedReads", "wrap_transfer_stores"]
 
-SEND_STACK = ("mooncake", "CountingStore", "MergedSaveSendingThread's riding view")
+SEND_STACK = (
+    "mooncake", "ProtectedStore, current secret only (kvpolicy_secret)", "CountingStore", "MergedSaveSendingThread's riding view"
+)
 """The send thread's client, innermost first."""
-RECEIVE_STACK = ("mooncake", "StripedReadStore (load: striped)", "RecordingReadStore (kvpolicy_read_failure_ttl_s > 0)")
+RECEIVE_STACK = (
+    "mooncake", "ProtectedStore (kvpolicy_secret)", "StripedReadStore (load: striped)",
+    "RecordingReadStore (kvpolicy_read_failure_ttl_s > 0)",
+)
 """Each receive thread's client, innermost first."""
 
 
@@ -62,14 +69,26 @@ def wrap_transfer_stores(
 ) -> None:
     """Wrap ``worker``'s transfer threads' clients in the order of :data:`SEND_STACK` and
     :data:`RECEIVE_STACK`. ``exchange`` is the striped loads' (None: over vLLM's TP group)."""
-    send_layers: tuple[Callable[[SendStore], SendStore], ...] = (
-        lambda inner: CountingStore(inner, runtime.tally, runtime.group_of_key, runtime.dedup_multiplier),
-    )
+    protected = runtime.store if isinstance(runtime.store, ProtectedStore) else None
+    if protected is not None and protected.keyring.current.sealed:
+        devices = sorted({str(tensor.device) for tensor in kv_caches.values() if tensor.device.type != "cpu"})
+        if devices:
+            raise KVPolicyConfigError(
+                f"{EXTRA_CONFIG}.kvpolicy_verify_objects: error: the KV caches are on {', '.join(devices)}; objects are "
+                "sealed and verified in host memory only (the CPU path; see the trust-boundary guide); unset it here"
+            )
+    send_layers: list[Callable[[SendStore], SendStore]] = []
+    if protected is not None:
+        # Each thread its own seal buffers; the send thread's existence checks ask the current namespace only.
+        send_layers.append(lambda _: protected.sibling(writes_only=True))
+    send_layers.append(lambda inner: CountingStore(inner, runtime.tally, runtime.group_of_key, runtime.dedup_multiplier))
     for layer in send_layers:
         internals.decorate_send_store(worker, layer)
     if worker.kv_send_thread is not None:
         MergedSaveSendingThread.adopt(worker.kv_send_thread)  # type: ignore[arg-type]
     receive_layers: list[Callable[[ReadStore], ReadStore]] = []
+    if protected is not None:
+        receive_layers.append(lambda _: protected.sibling())
     striped = striped_reads(worker, runtime, kv_caches, settings=settings, exchange=exchange)
     if striped is not None:
         receive_layers.append(striped)

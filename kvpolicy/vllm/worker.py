@@ -33,7 +33,7 @@ from kvpolicy.runtime.discovery import RankDiscovery
 from kvpolicy.runtime.policy import RankPolicy, capture_layout, plan_and_replan
 from kvpolicy.runtime.ports import Gather, KVStore, PeerExchange
 from kvpolicy.vllm import audit, internals, store
-from kvpolicy.vllm.config import StoreTarget, WorkerSetup, dynamo_deployment, parse_settings
+from kvpolicy.vllm.config import StoreTarget, WorkerSetup, dynamo_deployment, parse_settings, read_keyring
 from kvpolicy.vllm.layout import layout_from_kv_cache_config
 from kvpolicy.vllm.lookup import LookupProbes
 from kvpolicy.vllm.lookup import lookup as probing_lookup
@@ -80,6 +80,7 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._setup = WorkerSetup(
             policy, settings, model=vllm_config.model_config.model, model_config=vllm_config.model_config,
             cache_prefix=str(transfer.kv_connector_extra_config.get("cache_prefix", "")), gather=audit.gather_over_tp,
+            keyring=read_keyring(settings, policy),
         )
         super().__init__(vllm_config, kv_cache_config)
         self._report_plan()
@@ -96,10 +97,12 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         Runs exactly as on an engine; :mod:`kvpolicy.sim` runs its ranks this way."""
         assert vllm_config.kv_transfer_config is not None
         extra_config, worker = vllm_config.kv_transfer_config.kv_connector_extra_config, cls.__new__(cls)
+        settings = settings if settings is not None else parse_settings(extra_config)
         worker._setup = WorkerSetup(
-            policy, settings if settings is not None else parse_settings(extra_config), model=model,
+            policy, settings, model=model,
             cache_prefix=str(extra_config.get("cache_prefix", "")), gather=gather,
             model_config=vllm_config.model_config, exchange=exchange, source="simulation",
+            keyring=read_keyring(settings, policy),
         )
         internals.init_standalone(
             worker, vllm_config, kv_cache_config, place=place, store=store, model=model,
@@ -182,8 +185,12 @@ class KVPolicyStoreWorker(MooncakeStoreWorker):
         self._runtime = RankPolicy.from_settings(
             setup.policy, settings, store=self.store, gather=setup.gather, place=place,
             dynamo_deployment=dynamo_deployment(self.cache_config),
-            prefix_cacheable=[group.kv_cache_spec.prefix_cacheable for group in groups],
+            prefix_cacheable=[group.kv_cache_spec.prefix_cacheable for group in groups], keyring=setup.keyring,
         )
+        # Under a keyring every later user of the client (transfer threads, lookups, markers) gets it wrapped.
+        self.store = self._runtime.store
+        if setup.keyring is not None and place.is_first:
+            logger.info("kvpolicy: %s", setup.keyring.describe())
         # Runs inside upstream's __init__: the store client exists, the send thread does not yet.
         return self._runtime.start(declared, replan, layout=layout).factors
 

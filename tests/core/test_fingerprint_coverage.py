@@ -235,6 +235,8 @@ PERTURBATIONS: dict[tuple[type, str], tuple[Change | None, Change] | None] = {
             template="{model}@x" + UPSTREAM_KEY_TEMPLATE.removeprefix("{cache_prefix}{model}")
         ),
     ),
+    (KeyFormat, "keyed"): (None, lambda documents_: policy_doc(documents_)["key"].update(keyed="required")),
+    (KeyFormat, "verified"): (None, lambda documents_: policy_doc(documents_)["key"].update(verified="required")),
     (Audit, "mode"): (None, lambda documents_: policy_doc(documents_)["audit"].update(mode="enforce")),
     (Audit, "steps"): (None, lambda documents_: policy_doc(documents_)["audit"].update(steps=0)),
     (Expression, "source"): (None, setting(rule, factor="tp_size // 2")),

@@ -438,3 +438,21 @@ def test_a_file_of_a_hundred_thousand_errors_is_judged_within_the_limit_and_list
     assert len(lines) == MAX_DIAGNOSTICS_PER_FILE + 1
     hidden = int(lines[-1].split(": error: ")[1].split()[0])
     assert hidden >= 90_000 - MAX_DIAGNOSTICS_PER_FILE and lines[-1].endswith("fix these first [KVP901]")
+
+
+# --- kv_connector_extra_config's trust keys -----------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "key",
+    ["kvpolicy_secret", "kvpolicy_previous_secret", "kvpolicy_previous_secret_until", "kvpolicy_keyed_namespaces",
+     "kvpolicy_verify_objects"],
+)
+def test_a_trust_setting_holding_a_huge_value_is_refused_in_one_bounded_line(key: str) -> None:
+    from kvpolicy.documents.settings import KVPolicySettings, SettingsError
+
+    huge = "x" * 1_000_000
+    with pytest.raises(SettingsError) as raised:
+        KVPolicySettings.parse({"kvpolicy_secret": "env:S", "kvpolicy_previous_secret": "env:OLD", key: huge})
+    (line,) = raised.value.problems
+    assert line.startswith(f"kv_connector_extra_config.{key}: error: ")
+    assert len(line) <= MAX_MESSAGE_CHARS + 200

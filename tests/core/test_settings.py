@@ -238,8 +238,8 @@ def test_a_misspelled_key_is_refused_with_the_key_it_resembles() -> None:
 
 
 def test_an_unknown_key_like_none_of_ours_is_refused_with_the_list() -> None:
-    (problem,) = problems({"kvpolicy_x": 1})
-    assert problem.startswith("kv_connector_extra_config.kvpolicy_x: error: unknown key; kvpolicy's keys are kvpolicy, ")
+    (problem,) = problems({"kvpolicy_xyzzy_plugh": 1})
+    assert problem.startswith("kv_connector_extra_config.kvpolicy_xyzzy_plugh: error: unknown key; kvpolicy's keys are kvpolicy, ")
 
 
 def test_every_problem_is_reported_at_once_one_line_each() -> None:

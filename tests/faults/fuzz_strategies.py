@@ -28,7 +28,7 @@ import os
 import re
 import signal
 import string
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1070,6 +1070,109 @@ def side_file_settings_contract(extra_config: dict[str, Any]) -> None:
                     problem.startswith("kv_connector_extra_config.") and "\n" not in problem for problem in error.problems
                 ), error.problems
                 str(error).encode("utf-8")
+
+
+TRUST_KEYS = ("kvpolicy_secret", "kvpolicy_previous_secret", "kvpolicy_previous_secret_until", "kvpolicy_keyed_namespaces",
+              "kvpolicy_verify_objects")
+SECRET_SOURCE_KEYS = TRUST_KEYS[:2]
+"""Keys whose value may be the secret itself, written by mistake: never shown in a message."""
+TRUST_STRINGS = (
+    "env:KVPOLICY_SECRET", "env:OLD_SECRET", "file:/run/secrets/kv", "file:relative", "env:", "file:", ":", "env:9x",
+    "env:A-B", "file:a\x00b", "vault:kv", "ENV:X", "s3cr3t-0123456789abcdef", "2030-01-01T00:00:00Z",
+    "2030-01-01T00:00:00", "2030-01-01T00:00:00+05:30", "1970-01-01", "9999-12-31T23:59:59-23:59", "0", "1",
+    "true", "false", "yes", "off", "null", "",
+)
+HUGE_CHARS = 100_000
+
+
+def huge_json_value(shape: int) -> Any:
+    """A JSON value holding a text of :data:`HUGE_CHARS` characters, in one of four shapes."""
+    return ("x" * HUGE_CHARS, "2030-01-01T00:00:00" + "9" * HUGE_CHARS, ["y" * HUGE_CHARS], {"z": "w" * HUGE_CHARS})[shape % 4]
+
+
+SETTINGS_LINE_CHARS = MAX_MESSAGE_CHARS + 200
+"""The longest a settings error line may be: a cut message and its location."""
+
+
+def json_values(max_leaves: int = 8) -> st.SearchStrategy[Any]:
+    """Anything ``json.loads`` could give: null, booleans, numbers, text, lists and string-keyed objects."""
+    leaves = st.one_of(
+        st.none(), st.booleans(), st.integers(), st.sampled_from(HUGE_INTEGERS), st.floats(allow_nan=True, allow_infinity=True),
+        unicode_text(), st.sampled_from(TRUST_STRINGS), st.sampled_from(TRICKY_STRINGS),
+    )
+    return st.recursive(
+        leaves,
+        lambda children: st.one_of(st.lists(children, max_size=3), st.dictionaries(unicode_text(8), children, max_size=3)),
+        max_leaves=max_leaves,
+    )
+
+
+def secret_like_values() -> st.SearchStrategy[Any]:
+    """What a user might write where a secret's source belongs: the secret itself (12 to 64 characters), bare or
+    behind a source's prefix, or inside a list or an object."""
+    secret = st.text(st.characters(blacklist_categories=("Cs",)), min_size=12, max_size=64)
+    written = st.tuples(st.sampled_from(("", "env:", "file:", "vault:", "env: ", "ENV:")), secret).map("".join)
+    return st.one_of(written, st.lists(written, min_size=1, max_size=2), st.dictionaries(unicode_text(8), written, min_size=1, max_size=2))
+
+
+@st.composite
+def trust_settings(draw: Any, huge: bool = False) -> dict[str, Any]:
+    """``kv_connector_extra_config`` with some of the five trust keys set to any JSON value (``huge``: or
+    to a very long text); a secret's source may be the secret itself."""
+    value = st.one_of(json_values(), st.integers(0, 3).map(huge_json_value)) if huge else json_values()
+    keys = draw(st.lists(st.sampled_from(TRUST_KEYS), min_size=1, max_size=len(TRUST_KEYS), unique=True))
+    return {key: draw(st.one_of(value, secret_like_values()) if key in SECRET_SOURCE_KEYS else value) for key in keys}
+
+
+def _texts(value: Any) -> Iterator[str]:
+    """Every text in a JSON value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for item in value:
+            yield from _texts(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _texts(key)
+            yield from _texts(item)
+
+
+def _settings_lines_contract(error: Any, given: dict[str, Any], keys: Iterable[str], bounded: bool) -> None:
+    assert error.problems, error
+    for line in error.problems:
+        assert line.startswith("kv_connector_extra_config.") and "\n" not in line, line
+        assert line.split(": error: ")[0].removeprefix("kv_connector_extra_config.").split(".")[0] in keys, line
+        assert not bounded or len(line) <= SETTINGS_LINE_CHARS, f"a line of {len(line)} characters: {line[:200]}"
+    str(error).encode("utf-8")
+    text = str(error)
+    for key in SECRET_SOURCE_KEYS:
+        elsewhere = repr({other: value for other, value in given.items() if other != key})
+        for secret in _texts(given.get(key)):
+            # Text also given to another key may be shown as that key's value.
+            if len(secret) >= 12 and secret not in elsewhere:
+                assert secret not in text, f"{key}'s value {secret!r} is shown: {text[:2000]}"
+
+
+def trust_settings_contract(extra_config: dict[str, Any], *, bounded: bool = False) -> None:
+    """Parsed, or refused with :class:`SettingsError` only, one line per problem at a key that was given, never
+    showing text given to ``kvpolicy_secret`` / ``kvpolicy_previous_secret`` (``bounded``: and every line at most
+    :data:`SETTINGS_LINE_CHARS` long); parsed settings give every policy requirement a protection or a
+    :class:`SettingsError` of the same kind."""
+    from kvpolicy.documents.settings import KVPolicySettings, SettingsError
+    from kvpolicy.language.models import Keyed, Verified
+
+    with time_limit(CHECK_SECONDS, "trust settings"):
+        try:
+            settings = KVPolicySettings.parse(extra_config)
+        except SettingsError as error:
+            _settings_lines_contract(error, extra_config, extra_config, bounded)
+            return
+        for keyed in Keyed:
+            for verified in Verified:
+                try:
+                    settings.protection(KeyFormat(keyed=keyed, verified=verified))
+                except SettingsError as error:
+                    _settings_lines_contract(error, extra_config, TRUST_KEYS, bounded)
 
 
 def cli_contract(argv: list[str]) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import fuzz_strategies as fs
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvpolicy.app.cli import main
@@ -168,6 +168,19 @@ def test_doctor_refuses_every_special_mooncake_config_path_at_once(kind: str, tm
 @given(fs.side_file_settings())
 def test_side_file_paths_of_every_kind_are_parsed_or_refused_naming_their_key(extra_config: dict) -> None:
     fs.side_file_settings_contract(extra_config)
+
+
+@settings(FUZZ)
+@given(fs.trust_settings())
+def test_trust_settings_of_any_json_value_are_parsed_or_refused_at_their_keys_never_showing_a_secret(extra_config: dict) -> None:
+    fs.trust_settings_contract(extra_config)
+
+
+@settings(FUZZ)
+@example({"kvpolicy_previous_secret_until": fs.huge_json_value(0)})
+@given(fs.trust_settings(huge=True))
+def test_trust_settings_of_any_json_value_are_refused_in_lines_of_bounded_length(extra_config: dict) -> None:
+    fs.trust_settings_contract(extra_config, bounded=True)
 
 
 @given(st.lists(st.integers(1, 16), min_size=1, max_size=4))
