@@ -303,6 +303,7 @@ def serve_once(
     max_num_seqs: int = 4,
     repeat: bool = False,
     digest_blocks: bool = False,
+    cache_salt: str | None = None,
 ) -> EngineResult:
     """Serve *prompt_token_ids* once in a fresh vLLM engine process and return what it produced.
 
@@ -334,7 +335,8 @@ def serve_once(
     vLLM's own prefix hits). *kv_transfer_config* ``None`` runs the engine with no KV connector.
     With *digest_blocks*, every rank digests the blocks of the first prompt in each KV cache tensor
     once the first batch is served (the result's ``block_digests``): what a warm engine loaded can be
-    compared byte for byte with what a cold one computed.
+    compared byte for byte with what a cold one computed. *cache_salt* is every prompt's
+    ``cache_salt`` (vLLM's per-request isolation: it enters the first block's hash).
 
     A model written from a configuration alone (:mod:`kvpolicy.harness.zoo`) has no tokenizer and may
     have no weights: *load_format* ``"dummy"`` has vLLM draw them, *skip_tokenizer_init* serves token
@@ -368,6 +370,7 @@ def serve_once(
         "max_num_seqs": max_num_seqs,
         "repeat": repeat,
         "digest_blocks": digest_blocks,
+        "cache_salt": cache_salt,
     }
     env = engine_env(tp_size, mooncake_config_path)
     # The engine core runs in the child itself (also at TP>1, where the mp executor still forks
@@ -536,19 +539,17 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
             seed=0,
             **({"detokenize": False} if spec.get("skip_tokenizer_init") else {}),
         )
+        salt = {"cache_salt": spec["cache_salt"]} if spec.get("cache_salt") is not None else {}
+        requests = [TokensPrompt(prompt_token_ids=list(prompt), **salt) for prompt in prompts]  # type: ignore[typeddict-item]
         started = time.monotonic()
         held = _record_block_ids(llm) if spec.get("digest_blocks") else {}
-        outputs = llm.generate(
-            [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts], params, use_tqdm=False
-        )
+        outputs = llm.generate(requests, params, use_tqdm=False)
         generate = time.monotonic() - started
         digests = llm.collective_rpc(block_digests, args=(_first_request(held, outputs[0].request_id),)) if held else []
         again = None
         if spec.get("repeat"):
             started = time.monotonic()
-            repeated = llm.generate(
-                [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts], params, use_tqdm=False
-            )
+            repeated = llm.generate(requests, params, use_tqdm=False)
             again = {**_completion(repeated[0]), "generate_s": time.monotonic() - started}
         return {
             **_completion(outputs[0]),

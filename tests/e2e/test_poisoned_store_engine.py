@@ -12,6 +12,8 @@ deployment's secret. Each scenario has its own ``cache_prefix``, so their keys n
 - **Verified objects** (``kvpolicy_verify_objects``, keys left readable): the attacker knows the keys and
   overwrites every stored object with one byte flipped; the next engine refuses each (one warning per
   key), recomputes (tokens equal cold) and stores good objects in their place.
+- **Tenants** (vLLM's ``cache_salt``, no option): requests salted differently share no object; the same
+  salt hits; the keys are the salted block hashes an attacker who knows the salt computes.
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ SECRET = {SECRET_ENV: os.urandom(32).hex()}
 REFUSAL = "kvpolicy: refused a store object that failed verification"
 
 
-def prompt_block_hashes() -> list[str]:
+def prompt_block_hashes(cache_salt: str | None = None) -> list[str]:
     """What the attacker computes from the prompt alone: vLLM's block hashes of its full blocks, from the
-    public seed, with the engine's default hash (sha256), one per chunk (a chunk is one block here)."""
+    public seed, with the engine's default hash (sha256), one per chunk (a chunk is one block here). A
+    request's ``cache_salt`` enters the first block's extra keys, as vLLM's ``generate_block_hash_extra_keys``
+    puts it there."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
 
@@ -56,7 +60,8 @@ def prompt_block_hashes() -> list[str]:
     kv_cache_utils.init_none_hash(hash_fn)
     hashes, parent = [], None
     for start in range(0, len(PROMPT) - DEFAULT_BLOCK_SIZE + 1, DEFAULT_BLOCK_SIZE):
-        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, PROMPT[start : start + DEFAULT_BLOCK_SIZE])
+        extra = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
+        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, PROMPT[start : start + DEFAULT_BLOCK_SIZE], extra)
         hashes.append(bytes(parent).hex())
     return hashes
 
@@ -75,16 +80,16 @@ def serve(model: Path, config: dict[str, Any], store_config: Path, **options: An
     )
 
 
-def keys_of(contract_path: Path, cache_prefix: str, reference_prefix: str) -> list[str]:
+def keys_of(contract_path: Path, cache_prefix: str, reference_prefix: str, cache_salt: str | None = None) -> list[str]:
     """The prompt's chunk keys under ``cache_prefix``, from the key contract an instance published under
-    ``reference_prefix`` (what routers read; the prefix is its first field)."""
+    ``reference_prefix`` (what routers read; the prefix is its first field), for requests salted ``cache_salt``."""
     contract = json.loads(contract_path.read_text())
     assert contract["chunk_key"]["chunk_hash"] == "block-hash-hex"
     (group,) = contract["groups"]
     (prefix,) = group["lookup_prefixes"]
     assert prefix.startswith(f"{reference_prefix}@")
     namespace = f"{cache_prefix}@{prefix.removeprefix(f'{reference_prefix}@')}"
-    return [chunk_key(namespace, block_hash) for block_hash in prompt_block_hashes()]
+    return [chunk_key(namespace, block_hash) for block_hash in prompt_block_hashes(cache_salt)]
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +182,24 @@ def test_verified_objects_refuse_a_tampered_object_and_recompute_it(
     refusals = [line for line in log.splitlines() if REFUSAL in line]
     assert len(refusals) == len(keys), log[-3000:]  # one per key, each logged once
     assert all(bytes(attacker.get(key)) != value for key, value in tampered.items())  # removed, stored again
+
+
+def test_requests_with_different_cache_salts_share_no_object_and_the_same_salt_hits(
+    model: Path, e2e_store_config: Path, reference: tuple[EngineResult, Path], attacker: Any, tmp_path: Path
+) -> None:
+    # Tenants apart with no kvpolicy option: vLLM's cache_salt enters the block hashes the keys end in.
+    cold, contract = reference
+    config = settings("tenants", tmp_path)
+    tenant_a = serve(model, config, e2e_store_config, cache_salt="tenant-a")
+    assert tenant_a.num_cached_tokens == 0
+    assert tenant_a.tokens == cold.tokens and tenant_a.max_logprob_diff(cold) <= LOGPROB_TOLERANCE
+    salted, unsalted = keys_of(contract, "tenants", "reference", "tenant-a"), keys_of(contract, "tenants", "reference")
+    assert (list(attacker.batch_is_exist(salted)), list(attacker.batch_is_exist(unsalted))) == (
+        [1] * len(salted), [0] * len(unsalted)
+    )
+    tenant_b = serve(model, config, e2e_store_config, cache_salt="tenant-b")
+    assert tenant_b.num_cached_tokens == 0  # the same prompt, another salt: nothing of tenant A's is read
+    assert tenant_b.tokens == cold.tokens and tenant_b.max_logprob_diff(cold) <= LOGPROB_TOLERANCE
+    again = serve(model, config, e2e_store_config, cache_salt="tenant-a")
+    assert again.num_cached_tokens == len(salted) * DEFAULT_BLOCK_SIZE
+    assert again.tokens == cold.tokens and again.max_logprob_diff(cold) <= LOGPROB_TOLERANCE
