@@ -2,7 +2,10 @@
 fields that a model (in transformers or vLLM) checks, or where vLLM's CPU path needs something.
 
 Each entry names the model type, the fields it sets and why. A fix never changes a TP-deciding field
-(:data:`~kvpolicy.harness.zoo.shrink.TP_DECIDING`); it sets the widths that depend on them.
+the copy has (:data:`~kvpolicy.harness.zoo.shrink.TP_DECIDING`); it sets the widths that depend on them, and
+where vLLM reads a field transformers' class lacks, the value the model's published checkpoint has (or
+what the copy's own fields restate), named in the reason. One such field is TP-deciding: MiMo-V2-Flash's
+sliding-layer KV heads, twice the full layers' as in its checkpoint and in transformers' own model.
 """
 
 from __future__ import annotations
@@ -117,6 +120,99 @@ def _minimax_m2(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
     # vLLM reads rotary_dim, which transformers' MiniMaxM2Config lacks (MiniMax-M2's checkpoint: 64 of head_dim 128).
     if config.get("rotary_dim") is None and isinstance(config.get("head_dim"), int):
         yield "rotary_dim", config["head_dim"] // 2, "vLLM reads it; MiniMax-M2's checkpoint rotates half of each head"
+    # vLLM reads scoring_func and use_routing_bias (else no correction bias); transformers' router always
+    # scores by sigmoid and adds its e_score_correction_bias, as MiniMax-M2's checkpoint says.
+    if config.get("scoring_func") is None:
+        yield "scoring_func", "sigmoid", "vLLM reads it; transformers lacks it (MiniMax-M2's checkpoint: sigmoid)"
+    if config.get("use_routing_bias") is None:
+        yield "use_routing_bias", True, "vLLM reads it; transformers lacks it (MiniMax-M2's checkpoint: true)"
+
+
+def _afmoe(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+    # vLLM reads score_func, route_norm and the expert groups, which transformers' AfmoeConfig lacks; its router
+    # scores by sigmoid, normalizes the top-k and has no groups, as Trinity-Mini's checkpoint says.
+    if config.get("score_func") is None:
+        yield "score_func", "sigmoid", "vLLM reads it; transformers lacks it (Trinity-Mini's checkpoint: sigmoid)"
+    if config.get("route_norm") is None:
+        yield "route_norm", True, "vLLM reads it; transformers lacks it (Trinity-Mini's checkpoint: true)"
+    if config.get("n_group") is None:
+        yield "n_group", 1, "vLLM reads it; transformers lacks it (Trinity-Mini's checkpoint: 1)"
+        yield "topk_group", 1, "vLLM reads it; transformers lacks it (Trinity-Mini's checkpoint: 1)"
+
+
+def _hy_v3(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+    yield from _first_k_dense(config, original)
+    # vLLM reads expert_hidden_dim, route_norm and qk_norm, which transformers' HYV3Config lacks (its model
+    # always normalizes the top-k and has q/k norms); Hy3's checkpoint: expert_hidden_dim = moe_intermediate_size.
+    if config.get("expert_hidden_dim") is None:
+        yield "expert_hidden_dim", config["moe_intermediate_size"], (
+            "vLLM reads it; transformers lacks it (Hy3's checkpoint: = moe_intermediate_size, 1536)")
+    if config.get("route_norm") is None:
+        yield "route_norm", True, "vLLM reads it; transformers lacks it (Hy3's checkpoint: true)"
+    if config.get("qk_norm") is None:
+        yield "qk_norm", True, "vLLM reads it (else no q/k norms); transformers lacks it (Hy3's checkpoint: true)"
+
+
+def _longcat_flash(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+    # vLLM reads these, which transformers' LongcatFlashConfig lacks: its model always scales the MLA LoRA
+    # norms by sqrt(hidden / rank) and its zero experts are identities, as LongCat-Flash's checkpoint says.
+    if config.get("mla_scale_q_lora") is None:
+        yield "mla_scale_q_lora", True, "vLLM reads it; transformers lacks it (LongCat-Flash's checkpoint: true)"
+    if config.get("mla_scale_kv_lora") is None:
+        yield "mla_scale_kv_lora", True, "vLLM reads it; transformers lacks it (LongCat-Flash's checkpoint: true)"
+    if config.get("zero_expert_type") is None:
+        yield "zero_expert_type", "identity", (
+            "vLLM reads it; transformers lacks it (LongCat-Flash's checkpoint: identity)")
+
+
+def _mimo_v2_flash(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+    # vLLM reads MiMo-V2-Flash's own checkpoint fields, which transformers' MiMoV2FlashConfig restates as
+    # layer_types, mlp_layer_types and one set of attention sizes (its sliding layers have twice the KV
+    # heads and an attention sink): each field below says again what the copy's own fields say.
+    kinds = config["layer_types"]
+    yield "hybrid_layer_pattern", [int(kind == "sliding_attention") for kind in kinds], (
+        "vLLM reads it; transformers lacks it: layer_types (MiMo-V2-Flash's checkpoint: 1 = sliding)")
+    yield "moe_layer_freq", [int(kind == "sparse") for kind in config["mlp_layer_types"]], (
+        "vLLM reads it; transformers lacks it: mlp_layer_types (MiMo-V2-Flash's checkpoint: 1 = MoE)")
+    yield "swa_num_attention_heads", config["num_attention_heads"], (
+        "vLLM reads it; transformers lacks it: the attention heads (MiMo-V2-Flash's checkpoint: 64 and 64)")
+    yield "swa_num_key_value_heads", 2 * config["num_key_value_heads"], (
+        "vLLM reads it; transformers lacks it: twice the KV heads (MiMo-V2-Flash's checkpoint: 8 for 4)")
+    yield "swa_head_dim", config["head_dim"], "vLLM reads it; transformers lacks it: head_dim (as the checkpoint)"
+    yield "swa_v_head_dim", config["v_head_dim"], "vLLM reads it; transformers lacks it: v_head_dim (as the checkpoint)"
+    yield "sliding_window_size", config["sliding_window"], (
+        "vLLM reads it; transformers lacks it: sliding_window (as the checkpoint)")
+    yield "add_swa_attention_sink_bias", True, (
+        "vLLM reads it; transformers' sliding layers have sinks (MiMo-V2-Flash's checkpoint: true)")
+    yield "add_full_attention_sink_bias", False, (
+        "transformers' full layers have none (MiMo-V2-Flash's checkpoint: false)")
+    yield "layernorm_epsilon", config["rms_norm_eps"], "vLLM reads it; transformers lacks it: rms_norm_eps"
+    rope = config.get("rope_parameters") or {}
+    full, sliding = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    if "rope_theta" in full and "rope_theta" in sliding:
+        yield "rope_theta", full["rope_theta"], "vLLM reads it: rope_parameters of the full layers"
+        yield "swa_rope_theta", sliding["rope_theta"], "vLLM reads it: rope_parameters of the sliding layers"
+    if "partial_rotary_factor" in full:
+        yield "partial_rotary_factor", full["partial_rotary_factor"], "vLLM reads it: rope_parameters"
+
+
+def _dbrx(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+    # vLLM's and transformers' DBRX attention read attn_config.rope_theta, where DBRX's checkpoint states it;
+    # transformers 5's DbrxAttentionConfig lacks it (the value moved to rope_parameters).
+    attention = config.get("attn_config") or {}
+    theta = (config.get("rope_parameters") or {}).get("rope_theta")
+    if "rope_theta" not in attention and theta is not None:
+        yield "attn_config", {**attention, "rope_theta": theta}, (
+            "vLLM and transformers read attn_config.rope_theta (DBRX's checkpoint states it there): rope_parameters'")
+
+
+def _hrm_text(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
+    # HRM-Text's depth is num_layers_per_stack (the blocks of each of its two stacks); num_hidden_layers
+    # counts attention invocations, num_layers_per_stack * H_cycles * (L_cycles + 1), each a KV cache of its
+    # own in vLLM. The blocks of a stack are alike: one per stack keeps every step.
+    steps = config["H_cycles"] * (config["L_cycles"] + 1)
+    yield "num_layers_per_stack", 1, "depth: the blocks of a stack are alike (one keeps every recurrence step)"
+    yield "num_hidden_layers", steps, "num_layers_per_stack * H_cycles * (L_cycles + 1): one per attention step"
 
 
 FIXES: dict[str, Family] = {
@@ -135,8 +231,13 @@ FIXES: dict[str, Family] = {
     "deepseek_v3": Family(_noaux_tc),
     "glm4_moe": Family(_glm4_moe),
     "glm4_moe_lite": Family(_first_k_dense),
-    "hy_v3": Family(_first_k_dense),
+    "hy_v3": Family(_hy_v3),
     "minimax_m2": Family(_minimax_m2),
+    "afmoe": Family(_afmoe),
+    "longcat_flash": Family(_longcat_flash),
+    "mimo_v2_flash": Family(_mimo_v2_flash),
+    "dbrx": Family(_dbrx),
+    "hrm_text": Family(_hrm_text),
     "deepseek_v2": Family(_nothing, dtype="bfloat16", notes=(
         "vLLM's CPU MoE kernel refuses float32 weights for DeepSeek-V2 (measured): served in bfloat16",)),
 }
