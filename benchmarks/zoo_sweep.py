@@ -45,7 +45,7 @@ FIRST = (
 )
 """Architectures swept first: one of each spec family, so a partial sweep already covers them."""
 GPU_ONLY = re.compile(r"triton|cuda|cutlass|flash_attn|flashinfer|not (?:supported|implemented|built) (?:on|for) (?:the )?cpu|"
-                      r"NotImplementedError|requires (?:a )?gpu|_C\.\w+|'_C' object has no attribute|no kernel image",
+                      r"NotImplementedError|requires (?:a )?gpu|_C\.\w+|'_\w*C' object has no attribute|no kernel image",
                       re.IGNORECASE)
 """An engine error naming a kernel vLLM builds only for GPUs (a CPU build's ``_C`` lacks it, or it is Triton)."""
 

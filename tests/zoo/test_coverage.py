@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvpolicy.app.coverage import coverage_markdown, warm_path_markdown
+from kvpolicy.app.coverage import DIAGNOSES, RESULT, coverage_markdown, warm_path_markdown
 
 
 def _group(spec: str, partition: list[list[int]] | None) -> dict[str, Any]:
@@ -91,6 +91,23 @@ def test_a_copy_not_served_is_in_its_own_table_with_its_reason(tmp_path: Path) -
     served, not_served = _page(tmp_path).split("### Not served")
     assert "GpuForCausalLM" not in served
     assert "| GpuForCausalLM | 2 | gpu-only | NotImplementedError: Sparse Attention is not supported on CPU. |" in not_served
+
+
+def test_a_copy_not_served_shows_why_or_that_nobody_has_diagnosed_it(tmp_path: Path) -> None:
+    path = tmp_path / "zoo.json"
+    path.write_text(json.dumps(SWEEP))
+    assert _row(coverage_markdown(path, {"GpuForCausalLM": "a CUDA kernel"}), "GpuForCausalLM").endswith(
+        "| a CUDA kernel |")
+    assert _row(coverage_markdown(path, {}), "GpuForCausalLM").endswith("| not diagnosed yet |")
+
+
+def test_every_architecture_the_sweep_did_not_serve_is_diagnosed_and_no_diagnosis_is_stale() -> None:
+    # A TP size the heads do not allow ("heads") explains itself, unless no TP size served the model.
+    entries = list(json.loads(RESULT.read_text())["entries"].values())
+    served = {entry["architecture"] for entry in entries if entry.get("status") == "served"}
+    unserved = {entry["architecture"] for entry in entries
+                if entry.get("status") not in ("served", "heads") or entry["architecture"] not in served}
+    assert (sorted(unserved - DIAGNOSES.keys()), sorted(DIAGNOSES.keys() - unserved)) == ([], [])
 
 
 def test_the_counts_name_the_served_and_the_bit_exact_cells(tmp_path: Path) -> None:

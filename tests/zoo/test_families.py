@@ -6,6 +6,7 @@ checkpoint (or what the copy's own fields say), and still keeps what decides wha
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 from conftest import require
@@ -73,3 +74,27 @@ def test_hrm_text_shrinks_its_stacks_and_counts_one_layer_per_attention_step() -
     assert (config["H_cycles"], config["L_cycles"]) == (original["H_cycles"], original["L_cycles"])
     assert config["num_layers_per_stack"] == 1
     assert config["num_hidden_layers"] == steps
+
+
+def checkpoint_names(architecture: str, directory: Path) -> set[str]:
+    from safetensors import safe_open
+
+    from kvpolicy.harness.zoo.observe import build
+
+    target = build(shrink(architecture), directory)
+    with safe_open(str(target / "model.safetensors"), "pt") as checkpoint:
+        return set(checkpoint.keys())
+
+
+def test_longcat_flash_checkpoint_holds_no_zero_expert_weights(tmp_path: Path) -> None:
+    routed = shrink("LongcatFlashForCausalLM").config["n_routed_experts"]
+    experts = {int(name.split(".mlp.experts.")[1].split(".")[0])
+               for name in checkpoint_names("LongcatFlashForCausalLM", tmp_path) if ".mlp.experts." in name}
+    assert experts == set(range(routed))
+
+
+def test_axk1_checkpoint_holds_a_post_mlp_norm_on_every_layer_dense_ones_too(tmp_path: Path) -> None:
+    copy = shrink("AXK1ForCausalLM")
+    names = checkpoint_names("AXK1ForCausalLM", tmp_path)
+    assert copy.config.get("first_k_dense_replace", 0) >= 1  # a dense layer, which transformers saves without it
+    assert {f"model.layers.{layer}.post_mlp_layernorm.weight" for layer in range(len(copy.layers))} <= names

@@ -35,6 +35,10 @@ def recurrent(model_type: str, config: Mapping[str, Any]) -> bool:
     return any(isinstance(kind, str) and ("mamba" in kind or "linear" in kind or kind == "conv") for kind in kinds)
 
 
+CheckpointFix = Iterator[tuple[str, Any, str]]
+"""``(tensor name, tensor or None to drop it, reason)`` for each tensor a family's checkpoint edits."""
+
+
 @dataclass(frozen=True)
 class Family:
     fix: Callable[[dict[str, Any], Mapping[str, Any]], Fix]
@@ -42,6 +46,9 @@ class Family:
     dtype: str | None = None
     plugins: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    checkpoint: Callable[[Mapping[str, Any], Mapping[str, Any]], CheckpointFix] | None = None
+    """``checkpoint(tensors, config)``: where transformers' model saves other tensors than the family's
+    released checkpoints hold (and vLLM loads), the edits that make the seeded checkpoint hold those."""
 
 
 def _nothing(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
@@ -206,6 +213,30 @@ def _dbrx(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
             "vLLM and transformers read attn_config.rope_theta (DBRX's checkpoint states it there): rope_parameters'")
 
 
+def _longcat_flash_checkpoint(tensors: Mapping[str, Any], config: Mapping[str, Any]) -> CheckpointFix:
+    # transformers' LongCat experts allocate gate/up weights for the zero (identity) experts too, and save
+    # them as experts n_routed_experts and up; the released checkpoint has none, nor has vLLM's model.
+    routed = int(config["n_routed_experts"])
+    for name in tensors:
+        head, found, tail = name.partition(".mlp.experts.")
+        if found and tail.split(".", 1)[0].isdigit() and int(tail.split(".", 1)[0]) >= routed:
+            yield name, None, "a zero expert's weight: identities hold none (released checkpoint, vLLM)"
+
+
+def _axk1_checkpoint(tensors: Mapping[str, Any], config: Mapping[str, Any]) -> CheckpointFix:
+    # vLLM's A.X-K1 layers all end in post_mlp_layernorm, and the released checkpoints store it on dense
+    # layers too; transformers' model has it on MoE layers only. A norm weight of ones, as every norm here.
+    import torch
+
+    hidden = int(config["hidden_size"])
+    dtype = next(iter(tensors.values())).dtype
+    layers = {int(name.split(".")[2]) for name in tensors if name.startswith("model.layers.")}
+    for layer in sorted(layers):
+        name = f"model.layers.{layer}.post_mlp_layernorm.weight"
+        if name not in tensors:
+            yield name, torch.ones(hidden, dtype=dtype), "vLLM's layer has it; the released checkpoint's dense layers too"
+
+
 def _hrm_text(config: dict[str, Any], original: Mapping[str, Any]) -> Fix:
     # HRM-Text's depth is num_layers_per_stack (the blocks of each of its two stacks); num_hidden_layers
     # counts attention invocations, num_layers_per_stack * H_cycles * (L_cycles + 1), each a KV cache of its
@@ -234,7 +265,10 @@ FIXES: dict[str, Family] = {
     "hy_v3": Family(_hy_v3),
     "minimax_m2": Family(_minimax_m2),
     "afmoe": Family(_afmoe),
-    "longcat_flash": Family(_longcat_flash),
+    "longcat_flash": Family(_longcat_flash, checkpoint=_longcat_flash_checkpoint, notes=(
+        "the seeded checkpoint holds no zero-expert weights (transformers' model allocates them; vLLM's has none)",)),
+    "axk1": Family(_nothing, checkpoint=_axk1_checkpoint, notes=(
+        "the seeded checkpoint adds post_mlp_layernorm (ones) to dense layers, as the released one has",)),
     "mimo_v2_flash": Family(_mimo_v2_flash),
     "dbrx": Family(_dbrx),
     "hrm_text": Family(_hrm_text),

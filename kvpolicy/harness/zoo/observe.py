@@ -77,15 +77,27 @@ class Observation:
 
 GENERIC = re.compile(
     r"WorkerProc initialization failed|Engine core initialization failed|resource_tracker|"
-    r"see (?:the )?(?:stack trace|root cause)|^Exception: Call to \w+ method failed", re.IGNORECASE)
+    r"see (?:the )?(?:stack trace|root cause)|^Exception: Call to \w+ method failed|CalledProcessError|Error raised in subprocess", re.IGNORECASE)
 """Failure lines that only say another process failed: the root cause is an earlier line."""
 _EXCEPTION = re.compile(r"(?:^|[\s\]])((?:[\w.]+\.)?[A-Z]?\w*(?:Error|Exception|Exit|Interrupt)(?::\s.*|$))")
+
+
+_VALIDATION = re.compile(r"ValidationError: \d+ validation errors? for \w+$")
+"""pydantic's header line; what failed is on the lines below it (``  Value error, ... [type=...]``)."""
+
+
+def _validation_detail(lines: list[str], start: int) -> str:
+    for line in lines[start + 1 : start + 8]:
+        if "[type=" in line:
+            return line.split("] ", 1)[-1].split("[type=", 1)[0].strip().removeprefix("Value error, ")
+    return ""
 
 
 def _exception_lines(text: str) -> list[str]:
     found = []
     frame = code = ""
-    for raw in text.splitlines():
+    lines = text.splitlines()
+    for index, raw in enumerate(lines):
         line = raw.strip()
         at = line.find('File "')
         if at >= 0:
@@ -105,6 +117,9 @@ def _exception_lines(text: str) -> list[str]:
                 text_ = f"{text_} at {where.group(1)}:{where.group(2)}" if where else text_
                 if code.startswith("assert"):
                     text_ += f" ({code})"
+            if _VALIDATION.search(text_):
+                detail = _validation_detail(lines, index)
+                text_ = f"{text_}: {detail}" if detail else text_
             found.append(text_)
     return found
 

@@ -14,10 +14,14 @@ one generator in a fixed parameter order, so the same configuration always gives
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from kvpolicy.harness.tinymodel import seeded_model
+from kvpolicy.harness.zoo.families import FIXES, CheckpointFix
 
 INIT_STD = 0.2
 
@@ -33,4 +37,23 @@ def write_checkpoint(directory: str | os.PathLike[str], *, dtype: str, seed: int
     model.save_pretrained(target, safe_serialization=True)
     # save_pretrained rewrites config.json (transformers' class name, its own defaults): keep the copy's.
     (target / "config.json").write_text(written)
+    family = FIXES.get(json.loads(written).get("model_type", ""))
+    if family is not None and family.checkpoint is not None:
+        _edit_checkpoint(target, family.checkpoint, json.loads(written))
     return target
+
+
+def _edit_checkpoint(target: Path, edits: Callable[[Mapping[str, Any], Mapping[str, Any]], CheckpointFix],
+                     config: Mapping[str, Any]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = target / "model.safetensors"
+    if not path.is_file():
+        raise RuntimeError(f"{target}: a family's checkpoint edits need one model.safetensors (a tiny copy's)")
+    tensors = load_file(path)
+    for name, tensor, _reason in list(edits(tensors, config)):
+        if tensor is None:
+            tensors.pop(name, None)
+        else:
+            tensors[name] = tensor
+    save_file(tensors, path, metadata={"format": "pt"})
