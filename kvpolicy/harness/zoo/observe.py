@@ -77,7 +77,8 @@ class Observation:
 
 GENERIC = re.compile(
     r"WorkerProc initialization failed|Engine core initialization failed|resource_tracker|"
-    r"see (?:the )?(?:stack trace|root cause)|^Exception: Call to \w+ method failed|CalledProcessError|Error raised in subprocess", re.IGNORECASE)
+    r"see (?:the )?(?:stack trace|root cause)|^Exception: Call to \w+ method failed|"
+    r"CalledProcessError|Error raised in subprocess", re.IGNORECASE)
 """Failure lines that only say another process failed: the root cause is an earlier line."""
 _EXCEPTION = re.compile(r"(?:^|[\s\]])((?:[\w.]+\.)?[A-Z]?\w*(?:Error|Exception|Exit|Interrupt)(?::\s.*|$))")
 
