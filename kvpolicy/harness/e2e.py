@@ -216,7 +216,7 @@ class SegmentHolder:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
-            env=child_env({}, ()),
+            env=child_env(STORE_CLIENT_ENV, ()),
             start_new_session=True,
         )
         assert self._process.stdout is not None
@@ -260,6 +260,14 @@ class SegmentHolder:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+STORE_CLIENT_ENV = {"MC_RPC_TIMEOUT_MS": "120000"}
+"""Environment of every Mooncake store client the harness starts (engines, servers, segment holders).
+A master RPC times out after 30 s by default; the 2-core VMs here are frozen whole by their host for up
+to 60 s under load, and an RPC in flight across a freeze then fails (a lost save, a recomputed load)
+though the master answers the moment the VM runs again. 120 s, like the test masters' lease and client
+TTL."""
 
 
 def child_env(extra: Mapping[str, str], python_path: Sequence[str | os.PathLike[str]]) -> dict[str, str]:
@@ -476,6 +484,7 @@ def engine_env(
         # the master were seen to time out (30 s) on this 2-core machine. Unbound, one thread per core.
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // tp_size)),
+        **STORE_CLIENT_ENV,
     }
 
 

@@ -54,7 +54,7 @@ class HostFleet:
         segment_hosts: Sequence[str] = ("seg1", "seg2"),
         vllm_hosts: Sequence[str] = ("vllma", "vllmb"),
         segment_mib: int = 256,
-        client_ttl_s: int = 10,
+        client_ttl_s: int = 120,
         object_lease_ms: int = 120_000,
     ) -> None:
         self._scratch = Path(scratch)
@@ -63,6 +63,8 @@ class HostFleet:
         self.network = Network(["master", *self.segment_hosts, *self.vllm_hosts, "client"])
         self._segment_mib = segment_mib
         self._client_ttl_s = client_ttl_s
+        """Mooncake's default (10 s) is shorter than the whole-VM freezes these machines see under load
+        (up to 60 s measured): on waking, the master drops every segment holder and all objects."""
         self._object_lease_ms = object_lease_ms
         """Mooncake's default lease (10 s) fails every read slower than it (LEASE_EXPIRED), which 8
         clients on 2 cores were seen to hit; the other test masters run with 120 s too."""
@@ -130,6 +132,23 @@ class HostFleet:
     def capacity_bytes(self) -> int:
         """Bytes of segment memory mounted at the master now (segment holders remount after a restart)."""
         return int(self._master().metrics().get("master_total_capacity_bytes", 0))
+
+    def describe_store(self) -> str:
+        """One line on the store's health, for a failing assertion's message: objects, mounted memory,
+        live segment clients and how often they had to mount again (a client the master dropped for a
+        missed heartbeat remounts an empty segment: every object it held is gone)."""
+        try:
+            metrics = self._master().metrics()
+        except (OSError, RuntimeError) as error:
+            return f"the master's metrics did not answer: {error}"
+        def value(name: str) -> int:
+            return int(metrics.get(f"master_{name}", -1))
+
+        return (
+            f"{value('key_count')} objects, {value('total_capacity_bytes')} of {self.full_capacity_bytes} bytes mounted,"
+            f" {value('active_clients')} live segment clients, {value('remount_segment_requests_total')} remounts"
+            f" since the master started, {value('ping_requests_total')} heartbeats"
+        )
 
     @property
     def full_capacity_bytes(self) -> int:
