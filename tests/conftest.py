@@ -288,8 +288,9 @@ LEASE_TTL_MS = 120_000
 has been seen to take longer than that (both ranks at once), which fails the load with
 LEASE_EXPIRED; the test master gets a lease that no healthy run comes near."""
 CLIENT_TTL_S = 120
-"""Mooncake drops a client's segment (and every object in it) after 10 s without a heartbeat; the
-segment holder starves that long while two TP engines saturate both cores."""
+"""Mooncake drops a client's segment (and every object in it) after 10 s without a heartbeat; these
+2-core VMs are frozen whole by their host for longer (docs/known-limits.md) while two TP engines saturate both cores, and
+the master wakes to stale heartbeats."""
 SEGMENT_MIB = 256
 """The segment holder's memory: the largest module stores a few MiB; room to spare."""
 

@@ -180,6 +180,14 @@ _HOLDER_SOURCE = textwrap.dedent(
 )
 
 
+STORE_CLIENT_ENV = {"MC_RPC_TIMEOUT_MS": "120000"}
+"""Environment of every Mooncake store client the harness starts (engines, servers, segment holders).
+A master RPC times out after 30 s by default; the 2-core VMs here are frozen whole by their host for longer
+under load (docs/known-limits.md), and an RPC in flight across a freeze then fails (a lost save, a recomputed load)
+though the master answers the moment the VM runs again. 120 s, like the test masters' lease and client
+TTL."""
+
+
 class SegmentHolder:
     """A process that mounts a Mooncake segment and keeps it until :meth:`stop`; a context manager.
 
@@ -260,14 +268,6 @@ class SegmentHolder:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
-
-
-STORE_CLIENT_ENV = {"MC_RPC_TIMEOUT_MS": "120000"}
-"""Environment of every Mooncake store client the harness starts (engines, servers, segment holders).
-A master RPC times out after 30 s by default; the 2-core VMs here are frozen whole by their host for up
-to 60 s under load, and an RPC in flight across a freeze then fails (a lost save, a recomputed load)
-though the master answers the moment the VM runs again. 120 s, like the test masters' lease and client
-TTL."""
 
 
 def child_env(extra: Mapping[str, str], python_path: Sequence[str | os.PathLike[str]]) -> dict[str, str]:

@@ -30,7 +30,7 @@ from kvpolicy.harness.fleet.load import run_load, shared_prefix_prompts  # noqa:
 from kvpolicy.harness.fleet.netns import NetnsUnavailable, require_netns  # noqa: E402
 from kvpolicy.harness.server import Completion, OpenAIServer, metric_value, wait_until  # noqa: E402
 from kvpolicy.harness.tinymodel import make_tiny_llama  # noqa: E402
-from kvpolicy.mooncake import delta  # noqa: E402
+from kvpolicy.mooncake import MasterCounters, delta  # noqa: E402
 
 TP_SIZE = 2
 PROMPT_TOKENS = 200
@@ -38,11 +38,10 @@ FULL_CHUNK_TOKENS = PROMPT_TOKENS // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
 LOGPROB_TOLERANCE = 1e-4
 CLIENT_TTL_S = 120
 """Seconds the master keeps a segment holder without a heartbeat. These machines are VMs that the host
-freezes whole, for up to 60 s while both TP 2 servers load their 2 cores (a process sleeping 0.1 s
-wakes that late, and no steal time is counted). The monotonic clock runs on through a freeze, so on
-waking the master finds every holder's heartbeat stale: with Mooncake's default (10 s) it dropped both
-holders, and every object, mid-test. 120 s, like the other test masters, rides those freezes out; the
-segment host killed below is dropped within it."""
+freezes whole while both TP 2 servers load their 2 cores (docs/known-limits.md says for how long). The
+monotonic clock runs on through a freeze, so on waking the master finds every holder's heartbeat stale:
+with Mooncake's default (10 s) it dropped both holders, and every object, mid-test. 120 s, like the
+other test masters, rides those freezes out; the segment host killed below is dropped within it."""
 # Prefix caching off: every prompt token a server does not compute came from the Mooncake store.
 SERVER_ARGS = ("--no-enable-prefix-caching", "--enable-prompt-tokens-details")
 
@@ -102,8 +101,17 @@ def serve_cold(
     cold = [server.complete(prompt) for prompt in batch]
     if chunks is None:
         assert all(completion.cached_tokens == 0 for completion in cold)
-        chunks = len(batch) * FULL_CHUNK_TOKENS // DEFAULT_BLOCK_SIZE
-    return cold, wait_until(lambda: delta(before, fleet.counters()).objects_written >= chunks, timeout=timeout)
+    return cold, stored_since(fleet, before, chunks if chunks is not None else full_chunks(batch), timeout=timeout)
+
+
+def full_chunks(batch: list[list[int]]) -> int:
+    """Full chunks of ``batch``, for prompts sharing none."""
+    return len(batch) * FULL_CHUNK_TOKENS // DEFAULT_BLOCK_SIZE
+
+
+def stored_since(fleet: HostFleet, before: MasterCounters, chunks: int, *, timeout: float) -> bool:
+    """Whether the store wrote ``chunks`` objects since ``before`` within ``timeout`` seconds."""
+    return wait_until(lambda: delta(before, fleet.counters()).objects_written >= chunks, timeout=timeout)
 
 
 def store_cold(
@@ -115,13 +123,11 @@ def store_cold(
     there and puts what is not. The cold answers are the first serve's."""
     before = fleet.counters()
     cold, stored = serve_cold(fleet, server, batch, chunks=chunks)
-    wanted = chunks if chunks is not None else len(batch) * FULL_CHUNK_TOKENS // DEFAULT_BLOCK_SIZE
     for _ in range(attempts - 1):
         if stored:
             break
-        again = [server.complete(prompt) for prompt in batch]
-        assert_same(again, cold)
-        stored = wait_until(lambda: delta(before, fleet.counters()).objects_written >= wanted, timeout=60)
+        assert_same([server.complete(prompt) for prompt in batch], cold)
+        stored = stored_since(fleet, before, chunks if chunks is not None else full_chunks(batch), timeout=60)
     assert stored, f"the store did not take the cold server's chunks in {attempts} serves: {fleet.describe_store()}"
     return cold
 

@@ -329,3 +329,61 @@ def test_a_segment_holder_starts_in_a_process_whose_descriptors_are_past_1024(ma
         for descriptor in fillers:
             os.close(descriptor)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+_PUT_ON_CUE = """
+import sys
+from kvpolicy.mooncake.client import ClientConfig, connect_store
+store = connect_store(ClientConfig(master_server_address=sys.argv[1], global_segment_size=16 << 20, local_buffer_size=4 << 20))
+print("ready", flush=True)
+sys.stdin.readline()
+code = store.put(sys.argv[2], b"x" * 1024)
+sys.stdin.readline()
+print(code, store.is_exist(sys.argv[2]), flush=True)
+"""
+
+
+def _put_across_a_pause(master: MooncakeMaster, key: str, rpc_timeout_ms: int, pause_s: float) -> tuple[int, int]:
+    """A client whose ``MC_RPC_TIMEOUT_MS`` is ``rpc_timeout_ms`` puts ``key`` while the master is stopped
+    (SIGSTOP) for ``pause_s`` seconds, as a VM freeze stops it: the put's return code, and whether the
+    key then exists (asked by that client, whose segment holds the object)."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from kvpolicy.harness.e2e import child_env
+
+    env = child_env({"MC_RPC_TIMEOUT_MS": str(rpc_timeout_ms)}, ())
+    with subprocess.Popen(
+        [sys.executable, "-c", _PUT_ON_CUE, master.rpc_address, key],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
+    ) as client:
+        assert client.stdin is not None and client.stdout is not None
+        assert client.stdout.readline().strip() == "ready"
+        os.kill(master.pid, signal.SIGSTOP)
+        resume = threading.Timer(pause_s, os.kill, (master.pid, signal.SIGCONT))
+        resume.start()
+        try:
+            client.stdin.write("go\n")
+            client.stdin.flush()
+        finally:
+            resume.join()
+        client.stdin.write("check\n")  # once the master runs again
+        client.stdin.flush()
+        code, exists = map(int, client.stdout.readline().split())
+        client.stdin.close()
+        client.wait(30)
+    return code, exists
+
+
+def test_a_put_outlasts_a_master_pause_shorter_than_the_rpc_timeout_and_fails_on_a_longer_one() -> None:
+    # The harness's store clients rely on MC_RPC_TIMEOUT_MS to ride out whole-VM freezes (Mooncake's
+    # default is 30 s): a longer pause fails the put, a shorter one only delays it.
+    from kvpolicy.harness.e2e import STORE_CLIENT_ENV
+
+    with MooncakeMaster(client_ttl_s=120) as paused:
+        failed, missing = _put_across_a_pause(paused, "short-timeout", rpc_timeout_ms=1500, pause_s=4)
+        assert failed < 0 and missing == 0
+        assert _put_across_a_pause(paused, "long-timeout", rpc_timeout_ms=20_000, pause_s=4) == (0, 1)
+    assert int(STORE_CLIENT_ENV["MC_RPC_TIMEOUT_MS"]) >= 2 * 60_000, "below twice the longest freeze measured here"

@@ -64,7 +64,7 @@ class HostFleet:
         self._segment_mib = segment_mib
         self._client_ttl_s = client_ttl_s
         """Mooncake's default (10 s) is shorter than the whole-VM freezes these machines see under load
-        (up to 60 s measured): on waking, the master drops every segment holder and all objects."""
+        (docs/known-limits.md): on waking, the master drops every segment holder and all objects."""
         self._object_lease_ms = object_lease_ms
         """Mooncake's default lease (10 s) fails every read slower than it (LEASE_EXPIRED), which 8
         clients on 2 cores were seen to hit; the other test masters run with 120 s too."""
